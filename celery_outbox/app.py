@@ -1,0 +1,97 @@
+"""OutboxCelery: a ``celery.Celery`` whose publishes become outbox rows."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from celery import Celery
+from django.db import connections
+from django.utils.module_loading import import_string
+
+from .conf import OutboxSettings, get_settings
+from .enqueue import (
+    CallContext,
+    CapturingProducer,
+    Enqueuer,
+    Route,
+    choose_route,
+    outbox_alias,
+)
+from .exceptions import OutboxConfigurationError
+
+_instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
+
+
+class OutboxCelery(Celery):  # type: ignore[misc]
+    """A Celery app that writes every task into the outbox, in the caller's transaction.
+
+    ``delay()``, ``apply_async()``, ``send_task()`` and canvas (chain, group, chord
+    header) all end in :meth:`send_task`; the call returns the usual ``AsyncResult``
+    with the task id the worker will see. The relay (``manage.py outbox relay``)
+    publishes the row once the transaction has committed.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._outbox_enqueuer = Enqueuer()
+        _instances.add(self)
+
+    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+        """Send a task by name: through the outbox, or direct when :func:`choose_route` says so."""
+        settings = get_settings()
+        if self._route(name, options.get("task_id"), settings) is Route.DIRECT:
+            return super().send_task(name, *args, **options)
+        options.pop("connection", None)
+        options.pop("publisher", None)
+        conf = self.conf
+        options["producer"] = CapturingProducer(
+            connection=self.connection_for_write(),
+            default_serializer=conf.task_serializer,
+            default_compression=conf.task_compression,
+            sink=self._outbox_enqueuer.write,
+        )
+        return super().send_task(name, *args, **options)
+
+    def _route(self, name: str, task_id: str | None, settings: OutboxSettings) -> Route:
+        running = self.current_worker_task
+        running_id = running.request.id if running is not None else None
+        in_atomic = False
+        if running_id is not None:
+            in_atomic = connections[outbox_alias(settings)].in_atomic_block
+        return choose_route(
+            CallContext(
+                task_name=name,
+                task_id=task_id,
+                running_task_id=running_id,
+                outbox_in_atomic=in_atomic,
+            ),
+            settings,
+        )
+
+
+def resolve_app(settings: OutboxSettings | None = None) -> OutboxCelery:
+    """The app the relay publishes with: ``CELERY_OUTBOX_APP``, or the only OutboxCelery."""
+    settings = settings or get_settings()
+    if settings.app:
+        try:
+            app = import_string(settings.app)
+        except ImportError as exc:
+            raise OutboxConfigurationError(
+                f"CELERY_OUTBOX_APP = {settings.app!r} cannot be imported ({exc}). Set it "
+                f"to the dotted path of your Celery app, e.g. 'proj.celery.app'."
+            ) from exc
+        if not isinstance(app, OutboxCelery):
+            raise OutboxConfigurationError(
+                f"CELERY_OUTBOX_APP = {settings.app!r} is a {type(app).__name__}, not an "
+                f"OutboxCelery. Create your app with celery_outbox.OutboxCelery(...)."
+            )
+        return app
+    apps = list(_instances)
+    if len(apps) == 1:
+        return apps[0]
+    found = "no OutboxCelery app was created" if not apps else f"{len(apps)} apps exist"
+    raise OutboxConfigurationError(
+        f"Cannot tell which Celery app the relay should use: {found}. Set "
+        f"CELERY_OUTBOX_APP = 'proj.celery.app' (the dotted path of your OutboxCelery)."
+    )

@@ -1,0 +1,16 @@
+"""Django app configuration."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class CeleryOutboxConfig(AppConfig):
+    """The ``celery_outbox`` Django app: models, admin, checks, the ``outbox`` command."""
+
+    name = "celery_outbox"
+    verbose_name = "Celery outbox"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)

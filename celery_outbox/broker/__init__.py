@@ -1,0 +1,57 @@
+"""The broker behind one small interface: :class:`Publisher`.
+
+``build_publisher`` picks the implementation for the app's broker URL: batched
+publisher confirms on RabbitMQ (py-amqp), kombu's producer (with Redis pipelines)
+for every other transport. :class:`InMemoryPublisher` is the fake for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..conf import OutboxSettings
+from .base import Publisher, describe, is_outage
+from .memory import InMemoryPublisher
+
+__all__ = ["InMemoryPublisher", "Publisher", "build_publisher", "describe", "is_outage"]
+
+
+def build_publisher(app: Any, settings: OutboxSettings) -> Publisher:
+    """The publisher for ``app``'s broker, with timeouts that really bound each publish."""
+    driver = app.connection_for_write().transport.driver_type
+
+    def resolve_queue(name: str) -> Any:
+        try:
+            return app.amqp.queues[name]
+        except KeyError:
+            return None
+
+    if driver == "amqp":
+        from .amqp import AmqpPublisher
+
+        def connect_amqp() -> Any:
+            return app.connection_for_write(
+                connect_timeout=settings.send_timeout,
+                transport_options={
+                    "confirm_publish": False,  # confirms are awaited per batch instead
+                    "read_timeout": settings.send_timeout,
+                    "write_timeout": settings.send_timeout,
+                },
+            )
+
+        return AmqpPublisher(connect_amqp, resolve_queue, confirm=settings.confirm_publish)
+
+    from .kombu import KombuPublisher
+
+    def connect() -> Any:
+        options: dict[str, Any] = {}
+        if driver == "redis":
+            options = {
+                "socket_timeout": settings.send_timeout,
+                "socket_connect_timeout": settings.send_timeout,
+            }
+        return app.connection_for_write(
+            connect_timeout=settings.send_timeout, transport_options=options
+        )
+
+    return KombuPublisher(connect, resolve_queue)

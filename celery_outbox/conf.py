@@ -1,0 +1,156 @@
+"""Settings, read once from Django settings into one typed, frozen object.
+
+Every default is written here exactly once. Use :func:`get_settings`; tests that
+change settings with ``override_settings`` get a fresh object through the
+``setting_changed`` signal.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .exceptions import OutboxConfigurationError
+
+PREFIX = "CELERY_OUTBOX_"
+
+
+class OutsideTransaction(str, enum.Enum):
+    """What an enqueue does when the caller is not inside ``transaction.atomic()``."""
+
+    WARN = "warn"  # write the row in autocommit, log a warning once per task name
+    RAISE = "raise"  # refuse: raise OutboxTransactionError
+    ALLOW = "allow"  # write the row in autocommit, silently
+
+
+@dataclass(frozen=True)
+class OutboxSettings:
+    """Every ``CELERY_OUTBOX_*`` setting, validated."""
+
+    app: str | None = None
+    database: str | None = None
+    outside_transaction: OutsideTransaction = OutsideTransaction.WARN
+    exclude_tasks: tuple[str, ...] = ()
+    direct_from_worker: bool = True
+    batch_size: int = 500
+    lease_seconds: float = 60.0
+    max_attempts: int = 10
+    retry_base_seconds: float = 2.0
+    retry_max_seconds: float = 600.0
+    poll_interval: float = 1.0
+    broker_outage_cooldown: float = 5.0
+    send_timeout: float = 10.0
+    confirm_publish: bool = True
+
+
+_FIELDS = {
+    "APP": "app",
+    "DATABASE": "database",
+    "OUTSIDE_TRANSACTION": "outside_transaction",
+    "EXCLUDE_TASKS": "exclude_tasks",
+    "DIRECT_FROM_WORKER": "direct_from_worker",
+    "BATCH_SIZE": "batch_size",
+    "LEASE_SECONDS": "lease_seconds",
+    "MAX_ATTEMPTS": "max_attempts",
+    "RETRY_BASE_SECONDS": "retry_base_seconds",
+    "RETRY_MAX_SECONDS": "retry_max_seconds",
+    "POLL_INTERVAL": "poll_interval",
+    "BROKER_OUTAGE_COOLDOWN": "broker_outage_cooldown",
+    "SEND_TIMEOUT": "send_timeout",
+    "CONFIRM_PUBLISH": "confirm_publish",
+}
+
+
+def _positive(name: str, value: Any, kind: type) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise OutboxConfigurationError(
+            f"{PREFIX}{name} must be a positive {kind.__name__}, got {value!r}."
+        )
+    return kind(value)
+
+
+def _str_tuple(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise OutboxConfigurationError(
+            f"{PREFIX}{name} must be a list of task names or glob patterns "
+            f"(e.g. ['myapp.tasks.ping', 'metrics.*']), got {value!r}."
+        )
+    items = tuple(value)
+    bad = [item for item in items if not isinstance(item, str) or not item]
+    if bad:
+        raise OutboxConfigurationError(
+            f"{PREFIX}{name} holds entries that are not non-empty strings: {bad!r}."
+        )
+    return items
+
+
+def load_settings(source: Any = django_settings) -> OutboxSettings:
+    """Build :class:`OutboxSettings` from a Django settings object, validating each value."""
+    raw = {
+        field: getattr(source, PREFIX + name)
+        for name, field in _FIELDS.items()
+        if hasattr(source, PREFIX + name)
+    }
+    for key in dir(source):
+        if key.startswith(PREFIX) and key[len(PREFIX) :] not in _FIELDS:
+            known = ", ".join(PREFIX + n for n in _FIELDS)
+            raise OutboxConfigurationError(f"Unknown setting {key}. Known settings: {known}.")
+    values: dict[str, Any] = {}
+    for field, value in raw.items():
+        name = next(n for n, f in _FIELDS.items() if f == field)
+        if field in {"app", "database"}:
+            if value is not None and (not isinstance(value, str) or not value):
+                raise OutboxConfigurationError(
+                    f"{PREFIX}{name} must be a non-empty string or None, got {value!r}."
+                )
+            values[field] = value
+        elif field == "outside_transaction":
+            try:
+                values[field] = OutsideTransaction(value)
+            except ValueError:
+                choices = ", ".join(repr(m.value) for m in OutsideTransaction)
+                raise OutboxConfigurationError(
+                    f"{PREFIX}{name} must be one of {choices}, got {value!r}."
+                ) from None
+        elif field == "exclude_tasks":
+            values[field] = _str_tuple(name, value)
+        elif field in {"direct_from_worker", "confirm_publish"}:
+            if not isinstance(value, bool):
+                raise OutboxConfigurationError(
+                    f"{PREFIX}{name} must be True or False, got {value!r}."
+                )
+            values[field] = value
+        elif field in {"batch_size", "max_attempts"}:
+            if isinstance(value, float):
+                raise OutboxConfigurationError(
+                    f"{PREFIX}{name} must be a positive int, got {value!r}."
+                )
+            values[field] = _positive(name, value, int)
+        else:
+            values[field] = _positive(name, value, float)
+    result = OutboxSettings(**values)
+    if result.retry_max_seconds < result.retry_base_seconds:
+        raise OutboxConfigurationError(
+            f"{PREFIX}RETRY_MAX_SECONDS ({result.retry_max_seconds}) must not be smaller "
+            f"than {PREFIX}RETRY_BASE_SECONDS ({result.retry_base_seconds})."
+        )
+    return result
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> OutboxSettings:
+    """The process-wide settings, read once."""
+    return load_settings()
+
+
+@receiver(setting_changed)
+def _forget_settings(*, setting: str, **_: Any) -> None:
+    if setting.startswith(PREFIX) or setting == "DATABASES":
+        get_settings.cache_clear()

@@ -1,0 +1,268 @@
+"""The enqueue path: turn what Celery would publish into an outbox row.
+
+Celery's ``send_task`` does all the work of a publish (routing, lineage, eta and
+expires anchored at call time, ``before_task_publish``) and then calls
+``producer.publish(...)``. :class:`CapturingProducer` is that producer: instead of
+talking to the broker it serializes the body exactly as kombu would and writes the
+message into the outbox, in the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connections, router
+from kombu import Exchange, Queue
+from kombu.compression import compress
+from kombu.entity import maybe_delivery_mode
+from kombu.exceptions import EncodeError
+from kombu.serialization import dumps
+
+from .conf import OutboxSettings, OutsideTransaction, get_settings
+from .envelope import Envelope
+from .exceptions import OutboxSerializationError, OutboxTransactionError
+from .store import OutboxStore
+
+logger = logging.getLogger("celery_outbox")
+
+
+class Route(enum.Enum):
+    """Where one ``send_task`` call goes."""
+
+    OUTBOX = "outbox"
+    DIRECT = "direct"
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What :func:`choose_route` needs to know about the call, as plain values."""
+
+    task_name: str
+    task_id: str | None
+    #: Id of the task the current worker is executing, if any.
+    running_task_id: str | None
+    #: Whether the outbox alias is inside ``transaction.atomic()``.
+    outbox_in_atomic: bool
+
+
+def is_excluded(task_name: str, patterns: Sequence[str]) -> bool:
+    """Whether a task name matches one of the exclusion names or glob patterns."""
+    return any(fnmatch.fnmatchcase(task_name, pattern) for pattern in patterns)
+
+
+def choose_route(call: CallContext, settings: OutboxSettings) -> Route:
+    """Decide whether a call goes through the outbox or straight to the broker.
+
+    * excluded task names go direct;
+    * ``Task.retry()`` (same task id as the running task) goes direct: it re-sends a
+      message the worker already holds, and no business transaction produced it;
+    * inside a worker, calls outside a transaction go direct (no needless relay
+      latency, no warning); calls inside ``atomic()`` keep the outbox guarantee;
+    * everything else goes through the outbox.
+    """
+    if is_excluded(call.task_name, settings.exclude_tasks):
+        return Route.DIRECT
+    if call.running_task_id is not None:
+        if call.task_id is not None and call.task_id == call.running_task_id:
+            return Route.DIRECT
+        if settings.direct_from_worker and not call.outbox_in_atomic:
+            return Route.DIRECT
+    return Route.OUTBOX
+
+
+def outbox_alias(settings: OutboxSettings) -> str:
+    """The database alias that holds the outbox tables."""
+    if settings.database:
+        return settings.database
+    from .models import OutboxMessage
+
+    return router.db_for_write(OutboxMessage)
+
+
+class TransactionGuard:
+    """Checks that a write will commit or roll back with the caller's transaction."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self, alias: str, task_name: str, mode: OutsideTransaction) -> None:
+        """Raise or warn when the outbox alias is not inside ``atomic()``."""
+        if connections[alias].in_atomic_block:
+            return
+        others = sorted(
+            conn.alias
+            for conn in connections.all(initialized_only=True)
+            if conn.alias != alias and conn.in_atomic_block
+        )
+        if others:
+            raise OutboxTransactionError(
+                f"Task {task_name!r} was sent inside transaction.atomic() on database "
+                f"{', '.join(map(repr, others))}, but the outbox lives on {alias!r}: its row "
+                f"would commit on its own, even if your transaction rolls back. Wrap the call "
+                f"in transaction.atomic(using={alias!r}) too, or set CELERY_OUTBOX_DATABASE "
+                f"to the alias your business data uses."
+            )
+        if mode is OutsideTransaction.RAISE:
+            raise OutboxTransactionError(
+                f"Task {task_name!r} was sent outside transaction.atomic() on {alias!r} and "
+                f"CELERY_OUTBOX_OUTSIDE_TRANSACTION is 'raise'. Send it inside "
+                f"transaction.atomic(using={alias!r}), or set the setting to 'warn'."
+            )
+        if mode is OutsideTransaction.WARN:
+            with self._lock:
+                first = task_name not in self._warned
+                self._warned.add(task_name)
+            if first:
+                logger.warning(
+                    "Task %r was sent outside transaction.atomic(); its outbox row was "
+                    "committed on its own (autocommit). Wrap the call in atomic() to tie it "
+                    "to your data, or set CELERY_OUTBOX_OUTSIDE_TRANSACTION = 'allow' to "
+                    "silence this warning (logged once per task name).",
+                    task_name,
+                )
+
+
+class CapturingProducer:
+    """A stand-in for ``kombu.Producer`` that writes each publish into the outbox."""
+
+    def __init__(
+        self,
+        *,
+        connection: Any,
+        default_serializer: str,
+        default_compression: str | None,
+        sink: Callable[[Envelope], None],
+    ) -> None:
+        #: Celery wraps the publish in ``connection._reraise_as_library_errors()``;
+        #: the connection is never opened by the enqueue path.
+        self.connection = connection
+        self._default_serializer = default_serializer
+        self._default_compression = default_compression
+        self._sink = sink
+
+    @property
+    def channel(self) -> Any:
+        """The broker channel, for result backends (rpc://) that declare a reply queue."""
+        return self.connection.default_channel
+
+    def publish(
+        self,
+        body: Any,
+        routing_key: str | None = None,
+        delivery_mode: int | str | None = None,
+        priority: int | None = None,
+        serializer: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        compression: str | None = None,
+        exchange: str | Exchange | None = None,
+        declare: Sequence[Any] | None = None,
+        expiration: float | None = None,
+        **properties: Any,
+    ) -> None:
+        """Record one message; keyword names follow ``kombu.Producer.publish``."""
+        for transport_only in ("retry", "retry_policy", "timeout", "confirm_timeout"):
+            properties.pop(transport_only, None)
+        properties.pop("mandatory", None)
+        properties.pop("immediate", None)
+        ordering_key = properties.pop("ordering_key", None)
+        headers = dict(headers or {})
+        exchange_name, default_mode = _exchange_details(exchange)
+        properties["delivery_mode"] = maybe_delivery_mode(delivery_mode or default_mode)
+        if expiration is not None:
+            properties["expiration"] = str(int(expiration * 1000))
+        if priority is not None:
+            properties["priority"] = priority
+        if isinstance(properties.get("reply_to"), Queue):
+            properties["reply_to"] = properties["reply_to"].name
+        task_name = str(headers.get("task", ""))
+        content_type, content_encoding, data = _serialize(
+            body, serializer or self._default_serializer, task_name
+        )
+        codec = compression or self._default_compression
+        if codec:
+            data, headers["compression"] = compress(data, codec)
+        queues = tuple(entity.name for entity in declare or () if isinstance(entity, Queue))
+        self._sink(
+            Envelope(
+                task_id=str(headers.get("id", "")),
+                task_name=task_name,
+                exchange=exchange_name,
+                routing_key=routing_key or "",
+                body=data,
+                content_type=content_type,
+                content_encoding=content_encoding,
+                headers=headers,
+                properties=properties,
+                declare=queues,
+                queue=queues[0] if queues else (routing_key or ""),
+                arguments_preview=_preview(headers),
+                ordering_key=None if ordering_key is None else str(ordering_key),
+            )
+        )
+
+
+def _exchange_details(exchange: str | Exchange | None) -> tuple[str, Any]:
+    if isinstance(exchange, Exchange):
+        return exchange.name, exchange.delivery_mode
+    return exchange or "", None
+
+
+def _serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, bytes]:
+    try:
+        content_type, content_encoding, data = dumps(body, serializer=serializer)
+    except (EncodeError, TypeError, ValueError) as exc:
+        culprit = _find_unencodable(body, serializer)
+        raise OutboxSerializationError(
+            f"Cannot enqueue task {task_name!r}: {culprit} cannot be encoded with the "
+            f"{serializer!r} serializer ({exc}). Pass plain values (ids, strings, numbers), "
+            f"or configure a serializer that accepts this type. Nothing was written."
+        ) from exc
+    if isinstance(data, str):
+        data = data.encode(content_encoding or "utf-8")
+    return str(content_type), str(content_encoding), bytes(data)
+
+
+def _find_unencodable(body: Any, serializer: str) -> str:
+    """Name the first argument the serializer refuses, for the error message."""
+    if isinstance(body, (tuple, list)) and len(body) >= 2:
+        args, kwargs = body[0], body[1]
+        candidates: list[tuple[str, Any]] = [
+            (f"positional argument {index}", value) for index, value in enumerate(args or ())
+        ]
+        if isinstance(kwargs, Mapping):
+            candidates += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
+        for label, value in candidates:
+            try:
+                dumps(value, serializer=serializer)
+            except Exception:
+                return f"{label} of type {type(value).__module__}.{type(value).__qualname__}"
+    return "the message body"
+
+
+def _preview(headers: Mapping[str, Any]) -> str:
+    args = headers.get("argsrepr")
+    kwargs = headers.get("kwargsrepr")
+    if args is None and kwargs is None:
+        return ""
+    return f"args={args} kwargs={kwargs}"
+
+
+class Enqueuer:
+    """Writes captured messages through the store, with the transaction checks."""
+
+    def __init__(self) -> None:
+        self.guard = TransactionGuard()
+
+    def write(self, envelope: Envelope) -> None:
+        """Insert one message on the outbox alias, in the caller's transaction."""
+        settings = get_settings()
+        alias = outbox_alias(settings)
+        self.guard.check(alias, envelope.task_name, settings.outside_transaction)
+        OutboxStore(alias).insert([envelope])

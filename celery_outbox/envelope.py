@@ -1,0 +1,80 @@
+"""The broker message as it is stored: serialized once, at enqueue.
+
+An :class:`Envelope` holds exactly what Celery handed to ``Producer.publish`` after
+routing, signals and serialization, so the relay publishes the same bytes without
+rebuilding anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kombu.utils import json as kombu_json
+
+from .exceptions import UnsupportedPayloadVersion
+
+#: The layout of a stored message. A relay refuses rows with a newer version, loudly.
+PAYLOAD_VERSION = 1
+SUPPORTED_PAYLOAD_VERSIONS = frozenset({1})
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One broker message, ready to publish."""
+
+    task_id: str
+    task_name: str
+    exchange: str
+    routing_key: str
+    body: bytes
+    content_type: str
+    content_encoding: str
+    headers: Mapping[str, Any]
+    properties: Mapping[str, Any]
+    declare: tuple[str, ...] = ()
+    queue: str = ""
+    arguments_preview: str = ""
+    ordering_key: str | None = None
+
+    @property
+    def priority(self) -> int | None:
+        """The message priority, when one was set."""
+        value = self.properties.get("priority")
+        return int(value) if value is not None else None
+
+    @property
+    def expiration(self) -> str | None:
+        """The per-message TTL in milliseconds, as AMQP wants it."""
+        value = self.properties.get("expiration")
+        return str(value) if value is not None else None
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """A claimed outbox row: the envelope plus what the relay needs to settle it."""
+
+    id: int
+    attempts: int
+    envelope: Envelope
+    created_at_epoch: float = field(default=0.0)
+
+
+def dump_json(value: Any) -> str:
+    """Encode headers or properties; kombu's encoder keeps datetimes, UUIDs and decimals."""
+    return str(kombu_json.dumps(value))
+
+
+def load_json(text: str) -> Any:
+    """Decode what :func:`dump_json` wrote."""
+    return kombu_json.loads(text)
+
+
+def check_payload_version(version: int, row_id: int) -> None:
+    """Refuse a row this relay does not understand."""
+    if version not in SUPPORTED_PAYLOAD_VERSIONS:
+        raise UnsupportedPayloadVersion(
+            f"Outbox row {row_id} has payload version {version}; this relay understands "
+            f"{sorted(SUPPORTED_PAYLOAD_VERSIONS)}. Upgrade celery-outbox on the relay."
+        )

@@ -1,0 +1,71 @@
+"""The outbox and dead-letter tables.
+
+Only :mod:`celery_outbox.store` reads or writes these tables; the models exist for
+migrations and the admin. Times are written by the database clock.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class MessageFields(models.Model):
+    """Columns shared by a waiting message and a dead letter: the whole broker message."""
+
+    task_id = models.CharField(max_length=255, db_index=True)
+    task_name = models.CharField(max_length=255)
+    queue = models.CharField(max_length=255, blank=True, default="")
+    exchange = models.CharField(max_length=255, blank=True, default="")
+    routing_key = models.CharField(max_length=255, blank=True, default="")
+    ordering_key = models.CharField(max_length=255, null=True, blank=True)
+    payload_version = models.PositiveSmallIntegerField()
+    body = models.BinaryField()
+    content_type = models.CharField(max_length=128)
+    content_encoding = models.CharField(max_length=64)
+    headers = models.TextField(help_text="Message headers, JSON (kombu encoding).")
+    properties = models.TextField(help_text="Message properties, JSON (kombu encoding).")
+    declare_queues = models.TextField(
+        default="[]", help_text="Queue names declared before publish, JSON."
+    )
+    arguments_preview = models.TextField(blank=True, default="")
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField()
+
+    class Meta:
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}]"
+
+
+class OutboxMessage(MessageFields):
+    """A task written in the caller's transaction and not yet confirmed by the broker.
+
+    ``available_at`` is when the row may next be claimed: a claim moves it to the end
+    of the lease, a failure to the next retry. ``lease_token`` is set while a relay
+    holds the row; every write after the claim is fenced by it.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    available_at = models.DateTimeField()
+    lease_token = models.CharField(max_length=32, null=True, blank=True)
+
+    class Meta:
+        db_table = "celery_outbox_message"
+        verbose_name = "outbox message"
+        indexes = [
+            models.Index(fields=["available_at", "id"], name="celery_outbox_due_idx"),
+        ]
+
+
+class DeadLetter(MessageFields):
+    """A message that used up its attempts; it keeps everything needed to replay it."""
+
+    id = models.BigAutoField(primary_key=True)
+    original_id = models.BigIntegerField()
+    dead_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        db_table = "celery_outbox_deadletter"
+        verbose_name = "dead letter"

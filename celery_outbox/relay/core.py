@@ -1,0 +1,138 @@
+"""The relay's decisions, as pure functions over values.
+
+Nothing here talks to a database, a broker or a clock: time and randomness are
+passed in, so every rule can be tested directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+class Outcome(enum.Enum):
+    """What happened when the relay tried to publish one message."""
+
+    PUBLISHED = "published"  # the broker confirmed it
+    FAILED = "failed"  # the broker refused this message: counts as an attempt
+    OUTAGE = "outage"  # the broker could not be reached: not the message's fault
+    NOT_SENT = "not_sent"  # never tried (shutdown, batch cut short)
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """The outcome of one message, with the reason when it was not published."""
+
+    message_id: int
+    outcome: Outcome
+    error: str = ""
+
+
+class Action(enum.Enum):
+    """What the relay does with a claimed row after publishing."""
+
+    DELETE = "delete"
+    RETRY = "retry"
+    DEAD_LETTER = "dead_letter"
+    RELEASE = "release"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How failed and deferred rows come back."""
+
+    max_attempts: int
+    base_seconds: float
+    max_seconds: float
+    outage_cooldown: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The fate of one row: an action, the delay before it is due again, the reason."""
+
+    message_id: int
+    action: Action
+    delay: float = 0.0
+    error: str = ""
+
+
+def backoff(attempt: int, policy: RetryPolicy, random: Callable[[], float]) -> float:
+    """Seconds before retry number ``attempt`` (1-based): capped exponential, equal jitter."""
+    exponent = min(max(attempt - 1, 0), 62)
+    ceiling = min(policy.max_seconds, policy.base_seconds * 2.0**exponent)
+    return ceiling / 2 + random() * ceiling / 2
+
+
+def decide(
+    result: PublishResult, attempts: int, policy: RetryPolicy, random: Callable[[], float]
+) -> Decision:
+    """Decide a row's fate from its publish outcome and the attempts it had used before."""
+    if result.outcome is Outcome.PUBLISHED:
+        return Decision(result.message_id, Action.DELETE)
+    if result.outcome is Outcome.NOT_SENT:
+        return Decision(result.message_id, Action.RELEASE, 0.0, result.error)
+    if result.outcome is Outcome.OUTAGE:
+        return Decision(result.message_id, Action.RELEASE, policy.outage_cooldown, result.error)
+    used = attempts + 1
+    if used >= policy.max_attempts:
+        return Decision(result.message_id, Action.DEAD_LETTER, 0.0, result.error)
+    return Decision(result.message_id, Action.RETRY, backoff(used, policy, random), result.error)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """All decisions of one batch, grouped by action so each kind is one statement."""
+
+    delete: tuple[int, ...] = ()
+    retry: tuple[Decision, ...] = ()
+    dead_letter: tuple[Decision, ...] = ()
+    release: tuple[Decision, ...] = ()
+
+    @classmethod
+    def of(cls, decisions: Iterable[Decision]) -> Settlement:
+        """Group decisions by action."""
+        grouped: dict[Action, list[Decision]] = {action: [] for action in Action}
+        for decision in decisions:
+            grouped[decision.action].append(decision)
+        return cls(
+            delete=tuple(d.message_id for d in grouped[Action.DELETE]),
+            retry=tuple(grouped[Action.RETRY]),
+            dead_letter=tuple(grouped[Action.DEAD_LETTER]),
+            release=tuple(grouped[Action.RELEASE]),
+        )
+
+    @property
+    def size(self) -> int:
+        """How many rows this settlement touches."""
+        return len(self.delete) + len(self.retry) + len(self.dead_letter) + len(self.release)
+
+
+@dataclass(frozen=True)
+class Breaker:
+    """A circuit breaker over broker outages, as an immutable value.
+
+    After ``threshold`` consecutive batches that hit an outage, the breaker opens for
+    ``cooldown`` seconds: the relay stops claiming instead of hammering a dead broker.
+    """
+
+    threshold: int
+    cooldown: float
+    consecutive_outages: int = 0
+    open_until: float = 0.0
+
+    def is_open(self, now: float) -> bool:
+        """Whether claiming should wait at monotonic time ``now``."""
+        return now < self.open_until
+
+    def after_batch(self, results: Iterable[PublishResult], now: float) -> Breaker:
+        """The breaker after a batch with these results."""
+        outcomes = {r.outcome for r in results}
+        if Outcome.PUBLISHED in outcomes or Outcome.FAILED in outcomes:
+            return Breaker(self.threshold, self.cooldown)
+        if Outcome.OUTAGE not in outcomes:
+            return self
+        count = self.consecutive_outages + 1
+        open_until = now + self.cooldown if count >= self.threshold else self.open_until
+        return Breaker(self.threshold, self.cooldown, count, open_until)

@@ -1,0 +1,78 @@
+"""What the relay loop reports. Logging, metrics and signals subscribe to these."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..store import SettleReport
+from .core import PublishResult
+
+logger = logging.getLogger("celery_outbox.relay")
+
+
+class StopReason(enum.Enum):
+    """Why :meth:`Relay.run` returned."""
+
+    SIGNAL = "signal"
+    EMPTY = "empty"
+
+
+@dataclass(frozen=True)
+class BatchSettled:
+    """A batch was claimed, published and settled."""
+
+    claimed: int
+    results: tuple[PublishResult, ...]
+    report: SettleReport
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LoopError:
+    """A stage of the loop failed; the loop goes on."""
+
+    stage: str
+    error: str
+
+
+@dataclass(frozen=True)
+class BreakerOpened:
+    """Consecutive broker outages: claiming pauses."""
+
+    seconds: float
+
+
+RelayEvent = BatchSettled | LoopError | BreakerOpened
+Listener = Callable[[RelayEvent], None]
+
+
+def log_event(event: RelayEvent) -> None:
+    """The default listener: one log line per event worth a line."""
+    if isinstance(event, BatchSettled):
+        report = event.report
+        logger.info(
+            "batch: %d claimed, %d published, %d retried, %d dead-lettered, %d released "
+            "in %.1f ms",
+            event.claimed,
+            report.deleted,
+            report.retried,
+            report.dead_lettered,
+            report.released,
+            event.seconds * 1000,
+        )
+    elif isinstance(event, LoopError):
+        logger.error("relay %s failed: %s", event.stage, event.error)
+    else:
+        logger.warning("broker unreachable: pausing for %.1f s", event.seconds)
+
+
+def emit(listeners: Sequence[Listener], event: RelayEvent) -> None:
+    """Deliver an event; a failing listener is logged and never stops the loop."""
+    for listener in listeners:
+        try:
+            listener(event)
+        except Exception:
+            logger.exception("relay event listener %r failed", listener)

@@ -1,0 +1,178 @@
+"""The relay loop: claim → publish → decide → settle → wait.
+
+The loop holds no database transaction while it talks to the broker: the claim
+commits before the first publish, and the settlement is a second short transaction.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..broker import Publisher, describe
+from ..exceptions import OutboxDatabaseError
+from ..store import OutboxStore
+from .config import RelayConfig
+from .core import Breaker, Settlement, decide
+from .events import BatchSettled, BreakerOpened, Listener, LoopError, StopReason, emit, log_event
+from .waiter import Waiter
+
+logger = logging.getLogger("celery_outbox.relay")
+
+
+class Cycle(enum.Enum):
+    """How one turn of the loop ended, which decides how long to wait."""
+
+    FULL = "full"  # a whole batch: go again at once
+    PARTIAL = "partial"  # fewer rows than a batch: the table is drained for now
+    EMPTY = "empty"  # nothing due
+    PAUSED = "paused"  # breaker open or an error: wait before trying again
+
+
+class Relay:
+    """Moves committed outbox rows to the broker until stopped."""
+
+    def __init__(
+        self,
+        store: OutboxStore,
+        publisher: Publisher,
+        config: RelayConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        random_source: Callable[[], float] = random.random,
+        waiter: Waiter | None = None,
+        listeners: Sequence[Listener] = (log_event,),
+    ) -> None:
+        self.store = store
+        self.publisher = publisher
+        self.config = config
+        self.clock = clock
+        self.random = random_source
+        self.waiter = waiter or Waiter()
+        self.listeners = list(listeners)
+        self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
+        self._stopping = False
+        self._unsettled: tuple[str, Settlement] | None = None
+        self._last_touch = 0.0
+
+    def stop(self) -> None:
+        """Ask the loop to finish the current batch and return; safe in a signal handler."""
+        self._stopping = True
+        self.waiter.wake()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self._stopping
+
+    def run(self) -> StopReason:
+        """Relay until stopped (or, with ``until_empty``, until nothing is due)."""
+        with self.store.relay_lock():
+            while not self._stopping:
+                self._touch_liveness()
+                cycle = self.run_once()
+                if cycle is Cycle.FULL:
+                    continue
+                if self.config.until_empty and cycle in (Cycle.EMPTY, Cycle.PARTIAL):
+                    if self.run_once() is Cycle.EMPTY:
+                        return StopReason.EMPTY
+                    continue
+                self._pause(self._pause_seconds(cycle))
+        self.publisher.close()
+        return StopReason.SIGNAL
+
+    def run_once(self) -> Cycle:
+        """One turn: settle what is left over, then claim, publish and settle a batch."""
+        if self._unsettled is not None and not self._retry_settlement():
+            return Cycle.PAUSED
+        if self.breaker.is_open(self.clock()):
+            return Cycle.PAUSED
+        started = self.clock()
+        try:
+            claim = self.store.claim(self.config.batch_size, self.config.lease_seconds)
+        except OutboxDatabaseError as exc:
+            self._database_failed("claim", exc)
+            return Cycle.PAUSED
+        if claim.unreadable:
+            self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
+        if not claim.messages:
+            return Cycle.EMPTY
+        deadline = started + self.config.send_timeout
+        results = self.publisher.publish(claim.messages, deadline)
+        attempts = {m.id: m.attempts for m in claim.messages}
+        settlement = Settlement.of(
+            decide(r, attempts[r.message_id], self.config.policy, self.random) for r in results
+        )
+        self._note_breaker(results)
+        report = self._settle(claim.token, settlement)
+        if report is not None:
+            event = BatchSettled(
+                len(claim.messages), tuple(results), report, self.clock() - started
+            )
+            emit(self.listeners, event)
+        full = len(claim.messages) >= self.config.batch_size
+        return Cycle.FULL if full else Cycle.PARTIAL
+
+    # -- internals -------------------------------------------------------------
+
+    def _settle(self, token: str, settlement: Settlement) -> object:
+        try:
+            return self.store.settle(token, settlement)
+        except OutboxDatabaseError as exc:
+            # Published rows must not be published again: keep the decisions and
+            # retry them before the next claim, while the lease still holds.
+            self._unsettled = (token, settlement)
+            self._database_failed("settle", exc)
+            return None
+
+    def _retry_settlement(self) -> bool:
+        assert self._unsettled is not None
+        token, settlement = self._unsettled
+        self._unsettled = None
+        return self._settle(token, settlement) is not None
+
+    def _note_breaker(self, results: Sequence[object]) -> None:
+        was_open = self.breaker.is_open(self.clock())
+        self.breaker = self.breaker.after_batch(results, self.clock())  # type: ignore[arg-type]
+        if not was_open and self.breaker.is_open(self.clock()):
+            emit(self.listeners, BreakerOpened(self.breaker.open_until - self.clock()))
+
+    def _database_failed(self, stage: str, exc: OutboxDatabaseError) -> None:
+        emit(self.listeners, LoopError(stage, describe(exc)))
+        self.store.reset_connection()
+
+    def _pause_seconds(self, cycle: Cycle) -> float:
+        if cycle is Cycle.PAUSED:
+            if self.breaker.is_open(self.clock()):
+                return self.breaker.open_until - self.clock()
+            return self.config.error_pause
+        return self.config.poll_interval
+
+    def _pause(self, seconds: float) -> None:
+        end = self.clock() + seconds
+        while not self._stopping:
+            remaining = end - self.clock()
+            if remaining <= 0:
+                return
+            if self.waiter.wait(min(remaining, self.config.liveness_interval)):
+                return
+            self._touch_liveness()
+
+    def _touch_liveness(self) -> None:
+        path = self.config.liveness_file
+        if path is None:
+            return
+        now = self.clock()
+        if now - self._last_touch < 1.0:
+            return
+        self._last_touch = now
+        try:
+            Path(path).touch()
+            os.utime(path)
+        except OSError as exc:
+            logger.warning("cannot touch liveness file %s: %s", path, exc)

@@ -1,0 +1,42 @@
+"""Sleeping that a signal or a wake-up hint can end at once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+
+
+class Waiter:
+    """A self-pipe: :meth:`wake` is safe to call from a signal handler or another thread.
+
+    ``time.sleep`` and ``Event.wait`` resume after a signal handler returns (PEP 475),
+    so a SIGTERM during a backoff would wait the whole backoff out; ``select`` on a
+    pipe that the handler writes to returns at once.
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def wake(self) -> None:
+        """End the current (or next) :meth:`wait` early."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._write, b"!")
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds; True if woken early."""
+        ready, _, _ = select.select([self._read], [], [], max(timeout, 0.0))
+        if not ready:
+            return False
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._read, 4096):
+                pass
+        return True
+
+    def close(self) -> None:
+        """Release the pipe."""
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)

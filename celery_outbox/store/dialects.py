@@ -1,0 +1,172 @@
+"""Vendor-specific SQL fragments and the claim statement, one class per database family.
+
+Every timestamp is taken from the database clock, never from the relay's, so relays
+on hosts with drifting clocks still agree on leases and retry times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from ..exceptions import OutboxConfigurationError
+
+MESSAGE_TABLE = "celery_outbox_message"
+DEAD_TABLE = "celery_outbox_deadletter"
+
+#: Columns copied verbatim between the outbox and the dead-letter table.
+MESSAGE_COLUMNS = (
+    "task_id",
+    "task_name",
+    "queue",
+    "exchange",
+    "routing_key",
+    "ordering_key",
+    "payload_version",
+    "body",
+    "content_type",
+    "content_encoding",
+    "headers",
+    "properties",
+    "declare_queues",
+    "arguments_preview",
+)
+
+#: What a claim returns for each row, in this order.
+CLAIM_COLUMNS = ("id", "attempts", *MESSAGE_COLUMNS)
+
+
+class Dialect:
+    """SQL that differs between vendors. Parameters are always ``%s``."""
+
+    vendor = ""
+    #: Whether several relays can claim from the table at once.
+    concurrent_claims = True
+
+    def now(self) -> str:
+        """An SQL expression for the database's current UTC time."""
+        raise NotImplementedError
+
+    def after(self, seconds: float) -> tuple[str, list[Any]]:
+        """SQL (and its parameters) for the database time ``seconds`` from now."""
+        raise NotImplementedError
+
+    def age_seconds(self, column: str) -> str:
+        """SQL for how many seconds ago the timestamp in ``column`` was."""
+        raise NotImplementedError
+
+    def claim(
+        self, cursor: Any, limit: int, lease_seconds: float, token: str
+    ) -> list[Sequence[Any]]:
+        """Lease up to ``limit`` due rows to ``token`` and return them (CLAIM_COLUMNS)."""
+        after_sql, after_params = self.after(lease_seconds)
+        columns = ", ".join(CLAIM_COLUMNS)
+        cursor.execute(
+            f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, available_at = {after_sql} "
+            f"WHERE id IN ({self._due_ids_sql()}) RETURNING {columns}",
+            [token, *after_params, limit],
+        )
+        return list(cursor.fetchall())
+
+    def _due_ids_sql(self) -> str:
+        return (
+            f"SELECT id FROM {MESSAGE_TABLE} WHERE available_at <= {self.now()} "
+            f"ORDER BY available_at, id LIMIT %s"
+        )
+
+
+class PostgresDialect(Dialect):
+    vendor = "postgresql"
+
+    def now(self) -> str:
+        return "now()"
+
+    def after(self, seconds: float) -> tuple[str, list[Any]]:
+        return "now() + %s * interval '1 second'", [float(seconds)]
+
+    def age_seconds(self, column: str) -> str:
+        return f"EXTRACT(EPOCH FROM now() - {column})"
+
+    def _due_ids_sql(self) -> str:
+        return super()._due_ids_sql() + " FOR UPDATE SKIP LOCKED"
+
+
+class MySQLDialect(Dialect):
+    """MySQL 8 and MariaDB >= 10.6: no UPDATE ... RETURNING, so select then update."""
+
+    vendor = "mysql"
+
+    def now(self) -> str:
+        return "UTC_TIMESTAMP(6)"
+
+    def after(self, seconds: float) -> tuple[str, list[Any]]:
+        return "UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND", [round(seconds * 1_000_000)]
+
+    def age_seconds(self, column: str) -> str:
+        return f"TIMESTAMPDIFF(MICROSECOND, {column}, UTC_TIMESTAMP(6)) / 1000000.0"
+
+    def claim(
+        self, cursor: Any, limit: int, lease_seconds: float, token: str
+    ) -> list[Sequence[Any]]:
+        # The caller holds a transaction: the locks of SELECT ... FOR UPDATE last
+        # until the UPDATE below has stamped the lease.
+        columns = ", ".join(CLAIM_COLUMNS)
+        cursor.execute(
+            f"SELECT {columns} FROM {MESSAGE_TABLE} WHERE available_at <= {self.now()} "
+            f"ORDER BY available_at, id LIMIT %s FOR UPDATE SKIP LOCKED",
+            [limit],
+        )
+        rows = list(cursor.fetchall())
+        if rows:
+            after_sql, after_params = self.after(lease_seconds)
+            ids = [row[0] for row in rows]
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, available_at = {after_sql} "
+                f"WHERE id IN ({placeholders(ids)})",
+                [token, *after_params, *ids],
+            )
+        return rows
+
+
+class SQLiteDialect(Dialect):
+    """SQLite: one writer at a time, so one relay (enforced by the relay lock)."""
+
+    vendor = "sqlite"
+    concurrent_claims = False
+    _FORMAT = "'%%Y-%%m-%%d %%H:%%M:%%f'"
+
+    def now(self) -> str:
+        return f"strftime({self._FORMAT}, 'now')"
+
+    def after(self, seconds: float) -> tuple[str, list[Any]]:
+        return f"strftime({self._FORMAT}, 'now', %s)", [f"{seconds:+.6f} seconds"]
+
+    def age_seconds(self, column: str) -> str:
+        return f"(julianday('now') - julianday({column})) * 86400.0"
+
+
+def placeholders(values: Sequence[Any]) -> str:
+    """``%s, %s, ...`` for an IN list."""
+    return ", ".join(["%s"] * len(values))
+
+
+def dialect_for(connection: BaseDatabaseWrapper) -> Dialect:
+    """The dialect for a Django connection; refuses databases that cannot claim safely."""
+    vendor = connection.vendor
+    if vendor == "postgresql":
+        return PostgresDialect()
+    if vendor == "mysql":
+        if not connection.features.has_select_for_update_skip_locked:
+            raise OutboxConfigurationError(
+                f"Database alias {connection.alias!r} does not support SELECT ... FOR UPDATE "
+                "SKIP LOCKED, which the relay needs: use MySQL >= 8.0.1 or MariaDB >= 10.6."
+            )
+        return MySQLDialect()
+    if vendor == "sqlite":
+        return SQLiteDialect()
+    raise OutboxConfigurationError(
+        f"Database alias {connection.alias!r} uses {vendor!r}; celery-outbox supports "
+        "PostgreSQL, MySQL 8 / MariaDB >= 10.6 and SQLite."
+    )

@@ -1,0 +1,338 @@
+"""OutboxStore: every read and write of the outbox tables goes through here."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DatabaseError, InterfaceError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from ..envelope import (
+    PAYLOAD_VERSION,
+    Envelope,
+    StoredMessage,
+    check_payload_version,
+    dump_json,
+    load_json,
+)
+from ..exceptions import OutboxConfigurationError, OutboxDatabaseError, UnsupportedPayloadVersion
+from ..relay.core import Action, Decision, Settlement
+from .dialects import (
+    DEAD_TABLE,
+    MESSAGE_COLUMNS,
+    MESSAGE_TABLE,
+    Dialect,
+    dialect_for,
+    placeholders,
+)
+
+logger = logging.getLogger("celery_outbox.store")
+
+_INSERT_COLUMNS = (*MESSAGE_COLUMNS, "attempts", "last_error", "created_at", "available_at")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Rows leased to one relay under one token."""
+
+    token: str
+    messages: tuple[StoredMessage, ...]
+    #: Rows this relay cannot read (a newer payload version), handed back as dead letters.
+    unreadable: tuple[Decision, ...] = ()
+
+
+@dataclass(frozen=True)
+class SettleReport:
+    """How many rows each part of a settlement changed; fewer than asked means a lost lease."""
+
+    deleted: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    released: int = 0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of the outbox."""
+
+    pending: int
+    due: int
+    in_flight: int
+    dead: int
+    oldest_pending_seconds: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON shape of ``outbox stats --format json``."""
+        return {
+            "pending": self.pending,
+            "due": self.due,
+            "in_flight": self.in_flight,
+            "dead": self.dead,
+            "oldest_pending_seconds": self.oldest_pending_seconds,
+        }
+
+
+class OutboxStore:
+    """The one door to the outbox tables on one database alias."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    @property
+    def connection(self) -> BaseDatabaseWrapper:
+        """The Django connection of the outbox alias."""
+        return connections[self.alias]
+
+    @property
+    def dialect(self) -> Dialect:
+        """SQL for this alias's vendor."""
+        return dialect_for(self.connection)
+
+    # -- enqueue ---------------------------------------------------------------
+
+    def insert(self, envelopes: Sequence[Envelope]) -> None:
+        """Write messages in the caller's current transaction, in one statement."""
+        if not envelopes:
+            return
+        dialect = self.dialect
+        now = dialect.now()
+        row = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {now})"
+        params: list[Any] = []
+        for envelope in envelopes:
+            params.extend(_message_values(envelope))
+        sql = (
+            f"INSERT INTO {MESSAGE_TABLE} ({', '.join(_INSERT_COLUMNS)}) VALUES "
+            + ", ".join([row] * len(envelopes))
+        )
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+
+    # -- relay -----------------------------------------------------------------
+
+    def claim(self, limit: int, lease_seconds: float) -> Claim:
+        """Lease up to ``limit`` due rows, oldest first, skipping rows other relays hold."""
+        token = uuid.uuid4().hex
+        with self._translated(), transaction.atomic(using=self.alias):
+            with self.connection.cursor() as cursor:
+                rows = self.dialect.claim(cursor, limit, lease_seconds, token)
+        messages: list[StoredMessage] = []
+        unreadable: list[Decision] = []
+        for row in sorted(rows, key=lambda r: int(r[0])):
+            try:
+                messages.append(_stored_message(row))
+            except UnsupportedPayloadVersion as exc:
+                logger.error("%s", exc)
+                unreadable.append(Decision(int(row[0]), Action.DEAD_LETTER, 0.0, str(exc)))
+        return Claim(token, tuple(messages), tuple(unreadable))
+
+    def settle(self, token: str, settlement: Settlement) -> SettleReport:
+        """Apply a batch's decisions in one transaction, each write fenced by the lease token."""
+        if not settlement.size:
+            return SettleReport()
+        dialect = self.dialect
+        with self._translated(), transaction.atomic(using=self.alias):
+            with self.connection.cursor() as cursor:
+                deleted = self._delete(cursor, token, settlement.delete)
+                retried = self._requeue(cursor, dialect, token, settlement.retry, count=True)
+                released = self._requeue(cursor, dialect, token, settlement.release, count=False)
+                dead = self._dead_letter(cursor, dialect, token, settlement.dead_letter)
+        report = SettleReport(deleted, retried, dead, released)
+        if (deleted, retried, dead, released) != (
+            len(settlement.delete),
+            len(settlement.retry),
+            len(settlement.dead_letter),
+            len(settlement.release),
+        ):
+            logger.warning(
+                "Lease %s was lost for some rows (another relay may have claimed them): "
+                "asked %s, changed %s",
+                token,
+                settlement,
+                report,
+            )
+        return report
+
+    def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:
+        """Extend the lease on rows still held under ``token``; returns how many."""
+        if not ids:
+            return 0
+        after_sql, after_params = self.dialect.after(lease_seconds)
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET available_at = {after_sql} "
+                f"WHERE lease_token = %s AND id IN ({placeholders(ids)})",
+                [*after_params, token, *ids],
+            )
+            return int(cursor.rowcount)
+
+    def reset_connection(self) -> None:
+        """Drop a connection that failed, so the next statement reconnects."""
+        connection = self.connection
+        if connection.in_atomic_block:
+            return
+        with contextlib.suppress(Exception):
+            connection.close()
+
+    @contextlib.contextmanager
+    def relay_lock(self) -> Iterator[None]:
+        """Held while a relay runs; on SQLite it refuses a second relay on the same file."""
+        if self.dialect.concurrent_claims:
+            yield
+            return
+        name = str(self.connection.settings_dict.get("NAME") or "")
+        if not name or name == ":memory:" or name.startswith("file:"):
+            yield
+            return
+        with _exclusive_file_lock(f"{name}.relay-lock"):
+            yield
+
+    # -- operators -------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """Counts of pending, due, in-flight and dead rows, and the oldest row's age."""
+        dialect = self.dialect
+        now = dialect.now()
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT COUNT(*), "
+                f"COALESCE(SUM(CASE WHEN available_at <= {now} THEN 1 ELSE 0 END), 0), "
+                f"COALESCE(SUM(CASE WHEN lease_token IS NOT NULL AND available_at > {now} "
+                f"THEN 1 ELSE 0 END), 0) FROM {MESSAGE_TABLE}",
+                [],
+            )
+            pending, due, in_flight = cursor.fetchone()
+            cursor.execute(f"SELECT COUNT(*) FROM {DEAD_TABLE}", [])
+            (dead,) = cursor.fetchone()
+            cursor.execute(
+                f"SELECT {dialect.age_seconds('created_at')} FROM {MESSAGE_TABLE} "
+                f"ORDER BY id LIMIT 1",
+                [],
+            )
+            oldest = cursor.fetchone()
+        age = None if oldest is None or oldest[0] is None else max(0.0, float(oldest[0]))
+        return Stats(int(pending), int(due), int(in_flight), int(dead), age)
+
+    # -- internals -------------------------------------------------------------
+
+    def _delete(self, cursor: Any, token: str, ids: Sequence[int]) -> int:
+        if not ids:
+            return 0
+        cursor.execute(
+            f"DELETE FROM {MESSAGE_TABLE} WHERE lease_token = %s AND id IN ({placeholders(ids)})",
+            [token, *ids],
+        )
+        return int(cursor.rowcount)
+
+    def _requeue(
+        self,
+        cursor: Any,
+        dialect: Dialect,
+        token: str,
+        decisions: Sequence[Decision],
+        *,
+        count: bool,
+    ) -> int:
+        changed = 0
+        bump = "attempts = attempts + 1, " if count else ""
+        for decision in decisions:
+            after_sql, after_params = dialect.after(decision.delay)
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = %s, available_at = {after_sql}, "
+                f"lease_token = NULL WHERE id = %s AND lease_token = %s",
+                [decision.error[:4000], *after_params, decision.message_id, token],
+            )
+            changed += int(cursor.rowcount)
+        return changed
+
+    def _dead_letter(
+        self, cursor: Any, dialect: Dialect, token: str, decisions: Sequence[Decision]
+    ) -> int:
+        columns = ", ".join(MESSAGE_COLUMNS)
+        moved = 0
+        for decision in decisions:
+            cursor.execute(
+                f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, last_error, "
+                f"created_at, dead_at) SELECT id, {columns}, attempts + 1, %s, created_at, "
+                f"{dialect.now()} FROM {MESSAGE_TABLE} WHERE id = %s AND lease_token = %s",
+                [decision.error[:4000], decision.message_id, token],
+            )
+            if cursor.rowcount:
+                cursor.execute(
+                    f"DELETE FROM {MESSAGE_TABLE} WHERE id = %s AND lease_token = %s",
+                    [decision.message_id, token],
+                )
+                moved += int(cursor.rowcount)
+        return moved
+
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except (DatabaseError, InterfaceError) as exc:
+            raise OutboxDatabaseError(
+                f"outbox database {self.alias!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+@contextlib.contextmanager
+def _exclusive_file_lock(path: str) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutboxConfigurationError(
+                f"Another relay is already running on this SQLite database (lock file "
+                f"{path}). SQLite supports one relay at a time; use PostgreSQL or "
+                f"MySQL/MariaDB to run several."
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _message_values(envelope: Envelope) -> list[Any]:
+    return [
+        envelope.task_id,
+        envelope.task_name,
+        envelope.queue,
+        envelope.exchange,
+        envelope.routing_key,
+        envelope.ordering_key,
+        PAYLOAD_VERSION,
+        envelope.body,
+        envelope.content_type,
+        envelope.content_encoding,
+        dump_json(dict(envelope.headers)),
+        dump_json(dict(envelope.properties)),
+        dump_json(list(envelope.declare)),
+        envelope.arguments_preview,
+    ]
+
+
+def _stored_message(row: Sequence[Any]) -> StoredMessage:
+    values = dict(zip(("id", "attempts", *MESSAGE_COLUMNS), row))
+    check_payload_version(int(values["payload_version"]), int(values["id"]))
+    envelope = Envelope(
+        task_id=values["task_id"],
+        task_name=values["task_name"],
+        exchange=values["exchange"],
+        routing_key=values["routing_key"],
+        body=bytes(values["body"]),
+        content_type=values["content_type"],
+        content_encoding=values["content_encoding"],
+        headers=load_json(values["headers"]),
+        properties=load_json(values["properties"]),
+        declare=tuple(load_json(values["declare_queues"])),
+        queue=values["queue"],
+        arguments_preview=values["arguments_preview"],
+        ordering_key=values["ordering_key"],
+    )
+    return StoredMessage(int(values["id"]), int(values["attempts"]), envelope)

@@ -1,0 +1,1 @@
+"""A small Django project the tests (and their relay and worker subprocesses) run."""

@@ -1,0 +1,102 @@
+"""Settings of the test project.
+
+``OUTBOX_TEST_DB`` picks the default database (postgresql, mysql or sqlite); the other
+two are always there as extra aliases so the store contract runs on every vendor.
+Hosts and the broker come from environment variables with loopback defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pymysql
+
+pymysql.install_as_MySQLdb()
+
+SECRET_KEY = "celery-outbox-tests"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "tests.project.urls"
+ALLOWED_HOSTS = ["*"]
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "celery_outbox",
+    "tests.project.shop",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+_SQLITE_DIR = os.environ.get("OUTBOX_TEST_SQLITE_DIR", tempfile.gettempdir())
+POSTGRES = {
+    "ENGINE": "django.db.backends.postgresql",
+    "NAME": os.environ.get("OUTBOX_PG_NAME", "outbox"),
+    "USER": os.environ.get("OUTBOX_PG_USER", "postgres"),
+    "HOST": os.environ.get("OUTBOX_PG_HOST", "127.0.0.1"),
+    "PORT": os.environ.get("OUTBOX_PG_PORT", "5432"),
+}
+MYSQL = {
+    "ENGINE": "django.db.backends.mysql",
+    "NAME": os.environ.get("OUTBOX_MYSQL_NAME", "outbox"),
+    "USER": os.environ.get("OUTBOX_MYSQL_USER", "root"),
+    "PASSWORD": os.environ.get("OUTBOX_MYSQL_PASSWORD", ""),
+    "HOST": os.environ.get("OUTBOX_MYSQL_HOST", "127.0.0.1"),
+    "PORT": os.environ.get("OUTBOX_MYSQL_PORT", "3306"),
+    "OPTIONS": {"charset": "utf8mb4"},
+}
+SQLITE = {
+    "ENGINE": "django.db.backends.sqlite3",
+    "NAME": os.path.join(_SQLITE_DIR, "outbox.sqlite3"),
+    "OPTIONS": {"timeout": 30},
+    "TEST": {"NAME": os.path.join(_SQLITE_DIR, "test_outbox.sqlite3")},
+}
+_VENDORS = {"postgresql": POSTGRES, "mysql": MYSQL, "sqlite": SQLITE}
+DEFAULT_VENDOR = os.environ.get("OUTBOX_TEST_DB", "postgresql")
+DATABASES = {"default": _VENDORS[DEFAULT_VENDOR]}
+for _vendor, _config in _VENDORS.items():
+    if _vendor != DEFAULT_VENDOR:
+        DATABASES[_vendor] = _config
+
+# A test run may set OUTBOX_TEST_DB_NAME to reuse the exact database a test created
+# (relay and worker subprocesses of the end-to-end tests).
+if os.environ.get("OUTBOX_TEST_DB_NAME"):
+    DATABASES["default"] = dict(DATABASES["default"], NAME=os.environ["OUTBOX_TEST_DB_NAME"])
+
+CELERY_BROKER_URL = os.environ.get("OUTBOX_TEST_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
+CELERY_RESULT_BACKEND = os.environ.get("OUTBOX_TEST_RESULT_BACKEND") or None
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("OUTBOX_TEST_QUEUE", "celery-outbox-tests")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+CELERY_OUTBOX_POLL_INTERVAL = 0.2
+CELERY_OUTBOX_LEASE_SECONDS = 30.0
+CELERY_OUTBOX_OUTSIDE_TRANSACTION = "warn"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"celery_outbox": {"handlers": ["console"], "level": "INFO"}},
+}

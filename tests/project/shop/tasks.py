@@ -1,0 +1,50 @@
+"""Tasks of the test project; each records its execution in the database."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+
+from .models import TaskRun
+
+
+def _record(task: Any, tag: str, value: Any = "") -> None:
+    TaskRun.objects.create(
+        task_id=task.request.id, task_name=task.name, tag=str(tag), value=repr(value)
+    )
+
+
+@shared_task(bind=True, name="shop.record")
+def record(self: Any, tag: str, value: Any = None) -> str:
+    _record(self, tag, value)
+    return str(tag)
+
+
+@shared_task(bind=True, name="shop.add")
+def add(self: Any, x: int, y: int, tag: str = "") -> int:
+    _record(self, tag or f"add-{x}-{y}", x + y)
+    return x + y
+
+
+@shared_task(bind=True, name="shop.collect")
+def collect(self: Any, results: list[Any], tag: str) -> int:
+    _record(self, tag, sorted(results))
+    return len(results)
+
+
+@shared_task(bind=True, name="shop.flaky", max_retries=3)
+def flaky(self: Any, tag: str) -> str:
+    _record(self, f"{tag}-attempt-{self.request.retries}")
+    if self.request.retries < 2:
+        raise self.retry(countdown=0.1)
+    _record(self, tag)
+    return tag
+
+
+@shared_task(bind=True, name="shop.spawn")
+def spawn(self: Any, tag: str) -> str:
+    """Enqueue a follow-up from inside the worker, outside any transaction."""
+    record.delay(f"{tag}-child")
+    _record(self, tag)
+    return tag
