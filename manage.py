@@ -8,7 +8,7 @@ import sys
 
 if __name__ == "__main__":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.project.settings")
-    import tests.project.celery_app  # noqa: F401  (creates the OutboxCelery app)
     from django.core.management import execute_from_command_line
+
 
     execute_from_command_line(sys.argv)

@@ -23,7 +23,7 @@ from .exceptions import OutboxConfigurationError
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
 
 
-class OutboxCelery(Celery):  # type: ignore[misc]
+class OutboxCelery(Celery):
     """A Celery app that writes every task into the outbox, in the caller's transaction.
 
     ``delay()``, ``apply_async()``, ``send_task()`` and canvas (chain, group, chord

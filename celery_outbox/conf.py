@@ -101,7 +101,9 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
     for key in dir(source):
         if key.startswith(PREFIX) and key[len(PREFIX) :] not in _FIELDS:
             known = ", ".join(PREFIX + n for n in _FIELDS)
-            raise OutboxConfigurationError(f"Unknown setting {key}. Known settings: {known}.")
+            raise OutboxConfigurationError(
+                f"Unknown setting {key}. Known settings: {known}."
+            )
     values: dict[str, Any] = {}
     for field, value in raw.items():
         name = next(n for n, f in _FIELDS.items() if f == field)

@@ -188,7 +188,9 @@ class CapturingProducer:
         codec = compression or self._default_compression
         if codec:
             data, headers["compression"] = compress(data, codec)
-        queues = tuple(entity.name for entity in declare or () if isinstance(entity, Queue))
+        queues = tuple(
+            entity.name for entity in declare or () if isinstance(entity, Queue)
+        )
         self._sink(
             Envelope(
                 task_id=str(headers.get("id", "")),
@@ -216,7 +218,7 @@ def _exchange_details(exchange: str | Exchange | None) -> tuple[str, Any]:
 
 def _serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, bytes]:
     try:
-        content_type, content_encoding, data = dumps(body, serializer=serializer)
+        content_type, content_encoding, payload = dumps(body, serializer=serializer)
     except (EncodeError, TypeError, ValueError) as exc:
         culprit = _find_unencodable(body, serializer)
         raise OutboxSerializationError(
@@ -224,8 +226,12 @@ def _serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, by
             f"{serializer!r} serializer ({exc}). Pass plain values (ids, strings, numbers), "
             f"or configure a serializer that accepts this type. Nothing was written."
         ) from exc
-    if isinstance(data, str):
-        data = data.encode(content_encoding or "utf-8")
+    # kombu hands text serializers' output to the transport as str; publish as bytes.
+    data = (
+        payload.encode(content_encoding or "utf-8")
+        if isinstance(payload, str)
+        else payload
+    )
     return str(content_type), str(content_encoding), bytes(data)
 
 
@@ -234,10 +240,13 @@ def _find_unencodable(body: Any, serializer: str) -> str:
     if isinstance(body, (tuple, list)) and len(body) >= 2:
         args, kwargs = body[0], body[1]
         candidates: list[tuple[str, Any]] = [
-            (f"positional argument {index}", value) for index, value in enumerate(args or ())
+            (f"positional argument {index}", value)
+            for index, value in enumerate(args or ())
         ]
         if isinstance(kwargs, Mapping):
-            candidates += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
+            candidates += [
+                (f"keyword argument {key!r}", value) for key, value in kwargs.items()
+            ]
         for label, value in candidates:
             try:
                 dumps(value, serializer=serializer)

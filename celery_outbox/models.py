@@ -23,7 +23,9 @@ class MessageFields(models.Model):
     content_type = models.CharField(max_length=128)
     content_encoding = models.CharField(max_length=64)
     headers = models.TextField(help_text="Message headers, JSON (kombu encoding).")
-    properties = models.TextField(help_text="Message properties, JSON (kombu encoding).")
+    properties = models.TextField(
+        help_text="Message properties, JSON (kombu encoding)."
+    )
     declare_queues = models.TextField(
         default="[]", help_text="Queue names declared before publish, JSON."
     )

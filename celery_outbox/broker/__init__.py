@@ -39,7 +39,9 @@ def build_publisher(app: Any, settings: OutboxSettings) -> Publisher:
                 },
             )
 
-        return AmqpPublisher(connect_amqp, resolve_queue, confirm=settings.confirm_publish)
+        return AmqpPublisher(
+            connect_amqp, resolve_queue, confirm=settings.confirm_publish
+        )
 
     from .kombu import KombuPublisher
 

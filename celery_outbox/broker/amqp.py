@@ -38,14 +38,18 @@ class _Confirms:
         self.by_task.setdefault(message.envelope.task_id, []).append(message.id)
         self.next_tag += 1
 
-    def settle(self, tag: int, multiple: bool, outcome: Outcome, error: str = "") -> None:
+    def settle(
+        self, tag: int, multiple: bool, outcome: Outcome, error: str = ""
+    ) -> None:
         tags = [t for t in self.by_tag if t <= tag] if multiple else [tag]
         for t in tags:
             row_id = self.by_tag.pop(t, None)
             if row_id is not None and row_id not in self.results:
                 self.results[row_id] = PublishResult(row_id, outcome, error)
 
-    def returned(self, exc: BaseException, exchange: str, routing_key: str, message: Any) -> None:
+    def returned(
+        self, exc: BaseException, exchange: str, routing_key: str, message: Any
+    ) -> None:
         headers = getattr(message, "headers", None) or {}
         rows = self.by_task.get(str(headers.get("id", "")), [])
         for row_id in rows:
@@ -89,7 +93,9 @@ class AmqpPublisher:
 
     # -- Publisher -------------------------------------------------------------
 
-    def publish(self, messages: Sequence[StoredMessage], deadline: float) -> list[PublishResult]:
+    def publish(
+        self, messages: Sequence[StoredMessage], deadline: float
+    ) -> list[PublishResult]:
         """Publish a batch; see the module docstring for how failures are isolated."""
         if not messages:
             return []
@@ -99,7 +105,9 @@ class AmqpPublisher:
             if is_outage(exc):
                 self.close()
                 return all_with(messages, Outcome.OUTAGE, describe(exc))
-            logger.warning("Channel closed by the broker (%s); isolating the batch", describe(exc))
+            logger.warning(
+                "Channel closed by the broker (%s); isolating the batch", describe(exc)
+            )
             self._drop_channel()
             results = self._confirms.results
             return self._isolate(messages, results, deadline)
@@ -148,7 +156,9 @@ class AmqpPublisher:
                 confirms.sent(message)
                 self._next_tag = confirms.next_tag
             else:
-                confirms.results[message.id] = PublishResult(message.id, Outcome.PUBLISHED)
+                confirms.results[message.id] = PublishResult(
+                    message.id, Outcome.PUBLISHED
+                )
         self._await(deadline)
         return confirms.results
 
@@ -218,7 +228,9 @@ class AmqpPublisher:
                         self._exchanges.add(queue.exchange.name)
                     self._declared.add(name)
             if envelope.exchange not in self._exchanges:
-                self._probe_channel().exchange_declare(envelope.exchange, "direct", passive=True)
+                self._probe_channel().exchange_declare(
+                    envelope.exchange, "direct", passive=True
+                )
                 self._exchanges.add(envelope.exchange)
         except amqp_errors.ChannelError as exc:
             if is_outage(exc):
@@ -256,14 +268,20 @@ class AmqpPublisher:
         while confirms.waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError("publisher confirms did not arrive before the send timeout")
+                raise TimeoutError(
+                    "publisher confirms did not arrive before the send timeout"
+                )
             self._connection.connection.drain_events(timeout=remaining)
 
     def _on_ack(self, tag: int, multiple: bool) -> None:
         self._confirms.settle(tag, multiple, Outcome.PUBLISHED)
 
     def _on_nack(self, tag: int, multiple: bool) -> None:
-        self._confirms.settle(tag, multiple, Outcome.FAILED, "The broker nacked the message.")
+        self._confirms.settle(
+            tag, multiple, Outcome.FAILED, "The broker nacked the message."
+        )
 
-    def _on_return(self, exc: BaseException, exchange: str, routing_key: str, msg: Any) -> None:
+    def _on_return(
+        self, exc: BaseException, exchange: str, routing_key: str, msg: Any
+    ) -> None:
         self._confirms.returned(exc, exchange, routing_key, msg)

@@ -18,7 +18,9 @@ class Publisher(Protocol):
     ``time.monotonic()`` value the whole batch must finish by.
     """
 
-    def publish(self, messages: Sequence[StoredMessage], deadline: float) -> list[PublishResult]:
+    def publish(
+        self, messages: Sequence[StoredMessage], deadline: float
+    ) -> list[PublishResult]:
         """Publish ``messages`` in order; one result per message, same order."""
         ...
 
@@ -37,7 +39,9 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def is_outage(exc: BaseException, connection_errors: tuple[type[BaseException], ...] = ()) -> bool:
+def is_outage(
+    exc: BaseException, connection_errors: tuple[type[BaseException], ...] = ()
+) -> bool:
     """Whether an error means the broker is unreachable rather than refusing a message."""
     if isinstance(exc, (socket.timeout, TimeoutError, ConnectionError, EOFError)):
         return True

@@ -22,14 +22,18 @@ logger = logging.getLogger("celery_outbox.broker")
 class KombuPublisher:
     """Publishes through a kombu ``Producer`` on one long-lived connection."""
 
-    def __init__(self, connect: Callable[[], Any], resolve_queue: Callable[[str], Any]) -> None:
+    def __init__(
+        self, connect: Callable[[], Any], resolve_queue: Callable[[str], Any]
+    ) -> None:
         """``connect`` returns a new kombu Connection; ``resolve_queue`` maps a name to a Queue."""
         self._connect = connect
         self._resolve_queue = resolve_queue
         self._connection: Any = None
         self._producer: Any = None
 
-    def publish(self, messages: Sequence[StoredMessage], deadline: float) -> list[PublishResult]:
+    def publish(
+        self, messages: Sequence[StoredMessage], deadline: float
+    ) -> list[PublishResult]:
         """Publish a batch in one transport batch when possible, else message by message."""
         if not messages:
             return []
@@ -45,7 +49,9 @@ class KombuPublisher:
             if is_outage(exc, self._connection_errors()):
                 self.close()
                 return all_with(messages, Outcome.OUTAGE, describe(exc))
-            logger.warning("Batch publish failed (%s); publishing one by one", describe(exc))
+            logger.warning(
+                "Batch publish failed (%s); publishing one by one", describe(exc)
+            )
         return self._one_by_one(messages)
 
     def ping(self) -> None:
@@ -89,7 +95,9 @@ class KombuPublisher:
 
     def _send(self, producer: Any, message: StoredMessage) -> None:
         envelope = message.envelope
-        declare = [q for q in map(self._resolve_queue, envelope.declare) if q is not None]
+        declare = [
+            q for q in map(self._resolve_queue, envelope.declare) if q is not None
+        ]
         properties = envelope_properties(message)
         # Stored in AMQP form (milliseconds, a string); kombu takes seconds.
         expiration_ms = properties.pop("expiration", None)

@@ -24,14 +24,18 @@ class InMemoryPublisher:
         self.down = False
         self._lock = threading.Lock()
 
-    def publish(self, messages: Sequence[StoredMessage], deadline: float) -> list[PublishResult]:
+    def publish(
+        self, messages: Sequence[StoredMessage], deadline: float
+    ) -> list[PublishResult]:
         """Record each message unless ``down`` or ``behaviour`` says otherwise."""
         results: list[PublishResult] = []
         with self._lock:
             for message in messages:
                 if self.down:
                     results.append(
-                        PublishResult(message.id, Outcome.OUTAGE, "ConnectionRefusedError: down")
+                        PublishResult(
+                            message.id, Outcome.OUTAGE, "ConnectionRefusedError: down"
+                        )
                     )
                     continue
                 result = self.behaviour(message) if self.behaviour else None

@@ -4,70 +4,116 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='DeadLetter',
+            name="DeadLetter",
             fields=[
-                ('task_id', models.CharField(db_index=True, max_length=255)),
-                ('task_name', models.CharField(max_length=255)),
-                ('queue', models.CharField(blank=True, default='', max_length=255)),
-                ('exchange', models.CharField(blank=True, default='', max_length=255)),
-                ('routing_key', models.CharField(blank=True, default='', max_length=255)),
-                ('ordering_key', models.CharField(blank=True, max_length=255, null=True)),
-                ('payload_version', models.PositiveSmallIntegerField()),
-                ('body', models.BinaryField()),
-                ('content_type', models.CharField(max_length=128)),
-                ('content_encoding', models.CharField(max_length=64)),
-                ('headers', models.TextField(help_text='Message headers, JSON (kombu encoding).')),
-                ('properties', models.TextField(help_text='Message properties, JSON (kombu encoding).')),
-                ('declare_queues', models.TextField(default='[]', help_text='Queue names declared before publish, JSON.')),
-                ('arguments_preview', models.TextField(blank=True, default='')),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('last_error', models.TextField(blank=True, default='')),
-                ('created_at', models.DateTimeField()),
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('original_id', models.BigIntegerField()),
-                ('dead_at', models.DateTimeField(db_index=True)),
+                ("task_id", models.CharField(db_index=True, max_length=255)),
+                ("task_name", models.CharField(max_length=255)),
+                ("queue", models.CharField(blank=True, default="", max_length=255)),
+                ("exchange", models.CharField(blank=True, default="", max_length=255)),
+                (
+                    "routing_key",
+                    models.CharField(blank=True, default="", max_length=255),
+                ),
+                (
+                    "ordering_key",
+                    models.CharField(blank=True, max_length=255, null=True),
+                ),
+                ("payload_version", models.PositiveSmallIntegerField()),
+                ("body", models.BinaryField()),
+                ("content_type", models.CharField(max_length=128)),
+                ("content_encoding", models.CharField(max_length=64)),
+                (
+                    "headers",
+                    models.TextField(
+                        help_text="Message headers, JSON (kombu encoding)."
+                    ),
+                ),
+                (
+                    "properties",
+                    models.TextField(
+                        help_text="Message properties, JSON (kombu encoding)."
+                    ),
+                ),
+                (
+                    "declare_queues",
+                    models.TextField(
+                        default="[]",
+                        help_text="Queue names declared before publish, JSON.",
+                    ),
+                ),
+                ("arguments_preview", models.TextField(blank=True, default="")),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("last_error", models.TextField(blank=True, default="")),
+                ("created_at", models.DateTimeField()),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("original_id", models.BigIntegerField()),
+                ("dead_at", models.DateTimeField(db_index=True)),
             ],
             options={
-                'verbose_name': 'dead letter',
-                'db_table': 'celery_outbox_deadletter',
+                "verbose_name": "dead letter",
+                "db_table": "celery_outbox_deadletter",
             },
         ),
         migrations.CreateModel(
-            name='OutboxMessage',
+            name="OutboxMessage",
             fields=[
-                ('task_id', models.CharField(db_index=True, max_length=255)),
-                ('task_name', models.CharField(max_length=255)),
-                ('queue', models.CharField(blank=True, default='', max_length=255)),
-                ('exchange', models.CharField(blank=True, default='', max_length=255)),
-                ('routing_key', models.CharField(blank=True, default='', max_length=255)),
-                ('ordering_key', models.CharField(blank=True, max_length=255, null=True)),
-                ('payload_version', models.PositiveSmallIntegerField()),
-                ('body', models.BinaryField()),
-                ('content_type', models.CharField(max_length=128)),
-                ('content_encoding', models.CharField(max_length=64)),
-                ('headers', models.TextField(help_text='Message headers, JSON (kombu encoding).')),
-                ('properties', models.TextField(help_text='Message properties, JSON (kombu encoding).')),
-                ('declare_queues', models.TextField(default='[]', help_text='Queue names declared before publish, JSON.')),
-                ('arguments_preview', models.TextField(blank=True, default='')),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('last_error', models.TextField(blank=True, default='')),
-                ('created_at', models.DateTimeField()),
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('available_at', models.DateTimeField()),
-                ('lease_token', models.CharField(blank=True, max_length=32, null=True)),
+                ("task_id", models.CharField(db_index=True, max_length=255)),
+                ("task_name", models.CharField(max_length=255)),
+                ("queue", models.CharField(blank=True, default="", max_length=255)),
+                ("exchange", models.CharField(blank=True, default="", max_length=255)),
+                (
+                    "routing_key",
+                    models.CharField(blank=True, default="", max_length=255),
+                ),
+                (
+                    "ordering_key",
+                    models.CharField(blank=True, max_length=255, null=True),
+                ),
+                ("payload_version", models.PositiveSmallIntegerField()),
+                ("body", models.BinaryField()),
+                ("content_type", models.CharField(max_length=128)),
+                ("content_encoding", models.CharField(max_length=64)),
+                (
+                    "headers",
+                    models.TextField(
+                        help_text="Message headers, JSON (kombu encoding)."
+                    ),
+                ),
+                (
+                    "properties",
+                    models.TextField(
+                        help_text="Message properties, JSON (kombu encoding)."
+                    ),
+                ),
+                (
+                    "declare_queues",
+                    models.TextField(
+                        default="[]",
+                        help_text="Queue names declared before publish, JSON.",
+                    ),
+                ),
+                ("arguments_preview", models.TextField(blank=True, default="")),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("last_error", models.TextField(blank=True, default="")),
+                ("created_at", models.DateTimeField()),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                ("available_at", models.DateTimeField()),
+                ("lease_token", models.CharField(blank=True, max_length=32, null=True)),
             ],
             options={
-                'verbose_name': 'outbox message',
-                'db_table': 'celery_outbox_message',
-                'indexes': [models.Index(fields=['available_at', 'id'], name='celery_outbox_due_idx')],
+                "verbose_name": "outbox message",
+                "db_table": "celery_outbox_message",
+                "indexes": [
+                    models.Index(
+                        fields=["available_at", "id"], name="celery_outbox_due_idx"
+                    )
+                ],
             },
         ),
     ]

@@ -35,7 +35,9 @@ class RelayConfig:
             max_attempts=given.pop("max_attempts", settings.max_attempts),
             base_seconds=given.pop("retry_base_seconds", settings.retry_base_seconds),
             max_seconds=given.pop("retry_max_seconds", settings.retry_max_seconds),
-            outage_cooldown=given.pop("broker_outage_cooldown", settings.broker_outage_cooldown),
+            outage_cooldown=given.pop(
+                "broker_outage_cooldown", settings.broker_outage_cooldown
+            ),
         )
         values: dict[str, Any] = {
             "batch_size": settings.batch_size,
@@ -64,7 +66,9 @@ class RelayConfig:
         }
         for name, value in numbers.items():
             if value <= 0:
-                raise OutboxConfigurationError(f"The relay's {name} must be positive, got {value}.")
+                raise OutboxConfigurationError(
+                    f"The relay's {name} must be positive, got {value}."
+                )
         if self.lease_seconds <= self.send_timeout:
             raise OutboxConfigurationError(
                 f"The lease ({self.lease_seconds}s) must be longer than the send timeout "

@@ -66,7 +66,10 @@ def backoff(attempt: int, policy: RetryPolicy, random: Callable[[], float]) -> f
 
 
 def decide(
-    result: PublishResult, attempts: int, policy: RetryPolicy, random: Callable[[], float]
+    result: PublishResult,
+    attempts: int,
+    policy: RetryPolicy,
+    random: Callable[[], float],
 ) -> Decision:
     """Decide a row's fate from its publish outcome and the attempts it had used before."""
     if result.outcome is Outcome.PUBLISHED:
@@ -74,11 +77,15 @@ def decide(
     if result.outcome is Outcome.NOT_SENT:
         return Decision(result.message_id, Action.RELEASE, 0.0, result.error)
     if result.outcome is Outcome.OUTAGE:
-        return Decision(result.message_id, Action.RELEASE, policy.outage_cooldown, result.error)
+        return Decision(
+            result.message_id, Action.RELEASE, policy.outage_cooldown, result.error
+        )
     used = attempts + 1
     if used >= policy.max_attempts:
         return Decision(result.message_id, Action.DEAD_LETTER, 0.0, result.error)
-    return Decision(result.message_id, Action.RETRY, backoff(used, policy, random), result.error)
+    return Decision(
+        result.message_id, Action.RETRY, backoff(used, policy, random), result.error
+    )
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,12 @@ class Settlement:
     @property
     def size(self) -> int:
         """How many rows this settlement touches."""
-        return len(self.delete) + len(self.retry) + len(self.dead_letter) + len(self.release)
+        return (
+            len(self.delete)
+            + len(self.retry)
+            + len(self.dead_letter)
+            + len(self.release)
+        )
 
 
 @dataclass(frozen=True)

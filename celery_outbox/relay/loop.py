@@ -16,10 +16,18 @@ from pathlib import Path
 
 from ..broker import Publisher, describe
 from ..exceptions import OutboxDatabaseError
-from ..store import OutboxStore
+from ..store import OutboxStore, SettleReport
 from .config import RelayConfig
-from .core import Breaker, Settlement, decide
-from .events import BatchSettled, BreakerOpened, Listener, LoopError, StopReason, emit, log_event
+from .core import Breaker, PublishResult, Settlement, decide
+from .events import (
+    BatchSettled,
+    BreakerOpened,
+    Listener,
+    LoopError,
+    StopReason,
+    emit,
+    log_event,
+)
 from .waiter import Waiter
 
 logger = logging.getLogger("celery_outbox.relay")
@@ -106,7 +114,8 @@ class Relay:
         results = self.publisher.publish(claim.messages, deadline)
         attempts = {m.id: m.attempts for m in claim.messages}
         settlement = Settlement.of(
-            decide(r, attempts[r.message_id], self.config.policy, self.random) for r in results
+            decide(r, attempts[r.message_id], self.config.policy, self.random)
+            for r in results
         )
         self._note_breaker(results)
         report = self._settle(claim.token, settlement)
@@ -120,7 +129,7 @@ class Relay:
 
     # -- internals -------------------------------------------------------------
 
-    def _settle(self, token: str, settlement: Settlement) -> object:
+    def _settle(self, token: str, settlement: Settlement) -> SettleReport | None:
         try:
             return self.store.settle(token, settlement)
         except OutboxDatabaseError as exc:
@@ -136,9 +145,9 @@ class Relay:
         self._unsettled = None
         return self._settle(token, settlement) is not None
 
-    def _note_breaker(self, results: Sequence[object]) -> None:
+    def _note_breaker(self, results: Sequence[PublishResult]) -> None:
         was_open = self.breaker.is_open(self.clock())
-        self.breaker = self.breaker.after_batch(results, self.clock())  # type: ignore[arg-type]
+        self.breaker = self.breaker.after_batch(results, self.clock())
         if not was_open and self.breaker.is_open(self.clock()):
             emit(self.listeners, BreakerOpened(self.breaker.open_until - self.clock()))
 

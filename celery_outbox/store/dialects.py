@@ -102,7 +102,9 @@ class MySQLDialect(Dialect):
         return "UTC_TIMESTAMP(6)"
 
     def after(self, seconds: float) -> tuple[str, list[Any]]:
-        return "UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND", [round(seconds * 1_000_000)]
+        return "UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND", [
+            round(seconds * 1_000_000)
+        ]
 
     def age_seconds(self, column: str) -> str:
         return f"TIMESTAMPDIFF(MICROSECOND, {column}, UTC_TIMESTAMP(6)) / 1000000.0"

@@ -20,7 +20,11 @@ from ..envelope import (
     dump_json,
     load_json,
 )
-from ..exceptions import OutboxConfigurationError, OutboxDatabaseError, UnsupportedPayloadVersion
+from ..exceptions import (
+    OutboxConfigurationError,
+    OutboxDatabaseError,
+    UnsupportedPayloadVersion,
+)
 from ..relay.core import Action, Decision, Settlement
 from .dialects import (
     DEAD_TABLE,
@@ -33,7 +37,13 @@ from .dialects import (
 
 logger = logging.getLogger("celery_outbox.store")
 
-_INSERT_COLUMNS = (*MESSAGE_COLUMNS, "attempts", "last_error", "created_at", "available_at")
+_INSERT_COLUMNS = (
+    *MESSAGE_COLUMNS,
+    "attempts",
+    "last_error",
+    "created_at",
+    "available_at",
+)
 
 
 @dataclass(frozen=True)
@@ -117,9 +127,12 @@ class OutboxStore:
     def claim(self, limit: int, lease_seconds: float) -> Claim:
         """Lease up to ``limit`` due rows, oldest first, skipping rows other relays hold."""
         token = uuid.uuid4().hex
-        with self._translated(), transaction.atomic(using=self.alias):
-            with self.connection.cursor() as cursor:
-                rows = self.dialect.claim(cursor, limit, lease_seconds, token)
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            rows = self.dialect.claim(cursor, limit, lease_seconds, token)
         messages: list[StoredMessage] = []
         unreadable: list[Decision] = []
         for row in sorted(rows, key=lambda r: int(r[0])):
@@ -127,7 +140,9 @@ class OutboxStore:
                 messages.append(_stored_message(row))
             except UnsupportedPayloadVersion as exc:
                 logger.error("%s", exc)
-                unreadable.append(Decision(int(row[0]), Action.DEAD_LETTER, 0.0, str(exc)))
+                unreadable.append(
+                    Decision(int(row[0]), Action.DEAD_LETTER, 0.0, str(exc))
+                )
         return Claim(token, tuple(messages), tuple(unreadable))
 
     def settle(self, token: str, settlement: Settlement) -> SettleReport:
@@ -135,12 +150,19 @@ class OutboxStore:
         if not settlement.size:
             return SettleReport()
         dialect = self.dialect
-        with self._translated(), transaction.atomic(using=self.alias):
-            with self.connection.cursor() as cursor:
-                deleted = self._delete(cursor, token, settlement.delete)
-                retried = self._requeue(cursor, dialect, token, settlement.retry, count=True)
-                released = self._requeue(cursor, dialect, token, settlement.release, count=False)
-                dead = self._dead_letter(cursor, dialect, token, settlement.dead_letter)
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            deleted = self._delete(cursor, token, settlement.delete)
+            retried = self._requeue(
+                cursor, dialect, token, settlement.retry, count=True
+            )
+            released = self._requeue(
+                cursor, dialect, token, settlement.release, count=False
+            )
+            dead = self._dead_letter(cursor, dialect, token, settlement.dead_letter)
         report = SettleReport(deleted, retried, dead, released)
         if (deleted, retried, dead, released) != (
             len(settlement.delete),
@@ -214,7 +236,9 @@ class OutboxStore:
                 [],
             )
             oldest = cursor.fetchone()
-        age = None if oldest is None or oldest[0] is None else max(0.0, float(oldest[0]))
+        age = (
+            None if oldest is None or oldest[0] is None else max(0.0, float(oldest[0]))
+        )
         return Stats(int(pending), int(due), int(in_flight), int(dead), age)
 
     # -- internals -------------------------------------------------------------
@@ -318,7 +342,7 @@ def _message_values(envelope: Envelope) -> list[Any]:
 
 
 def _stored_message(row: Sequence[Any]) -> StoredMessage:
-    values = dict(zip(("id", "attempts", *MESSAGE_COLUMNS), row))
+    values = dict(zip(("id", "attempts", *MESSAGE_COLUMNS), row, strict=True))
     check_payload_version(int(values["payload_version"]), int(values["id"]))
     envelope = Envelope(
         task_id=values["task_id"],

@@ -6,7 +6,7 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.project.settings")
 
-from celery_outbox import OutboxCelery  # noqa: E402
+from celery_outbox import OutboxCelery
 
 app = OutboxCelery("tests")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
+from typing import Any
 
 import pymysql
 
@@ -49,17 +51,20 @@ TEMPLATES = [
 ]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# One id per test run, inherited by the relay and worker subprocesses it starts: it
+# names the databases and the queue, so concurrent runs never see each other's data.
+RUN_ID = os.environ.setdefault("OUTBOX_TEST_RUN", uuid.uuid4().hex[:8])
 _SQLITE_DIR = os.environ.get("OUTBOX_TEST_SQLITE_DIR", tempfile.gettempdir())
 POSTGRES = {
     "ENGINE": "django.db.backends.postgresql",
-    "NAME": os.environ.get("OUTBOX_PG_NAME", "outbox"),
+    "NAME": os.environ.get("OUTBOX_PG_NAME", f"outbox_{RUN_ID}"),
     "USER": os.environ.get("OUTBOX_PG_USER", "postgres"),
     "HOST": os.environ.get("OUTBOX_PG_HOST", "127.0.0.1"),
     "PORT": os.environ.get("OUTBOX_PG_PORT", "5432"),
 }
 MYSQL = {
     "ENGINE": "django.db.backends.mysql",
-    "NAME": os.environ.get("OUTBOX_MYSQL_NAME", "outbox"),
+    "NAME": os.environ.get("OUTBOX_MYSQL_NAME", f"outbox_{RUN_ID}"),
     "USER": os.environ.get("OUTBOX_MYSQL_USER", "root"),
     "PASSWORD": os.environ.get("OUTBOX_MYSQL_PASSWORD", ""),
     "HOST": os.environ.get("OUTBOX_MYSQL_HOST", "127.0.0.1"),
@@ -68,13 +73,13 @@ MYSQL = {
 }
 SQLITE = {
     "ENGINE": "django.db.backends.sqlite3",
-    "NAME": os.path.join(_SQLITE_DIR, "outbox.sqlite3"),
+    "NAME": os.path.join(_SQLITE_DIR, f"outbox_{RUN_ID}.sqlite3"),
     "OPTIONS": {"timeout": 30},
-    "TEST": {"NAME": os.path.join(_SQLITE_DIR, "test_outbox.sqlite3")},
+    "TEST": {"NAME": os.path.join(_SQLITE_DIR, f"test_outbox_{RUN_ID}.sqlite3")},
 }
 _VENDORS = {"postgresql": POSTGRES, "mysql": MYSQL, "sqlite": SQLITE}
 DEFAULT_VENDOR = os.environ.get("OUTBOX_TEST_DB", "postgresql")
-DATABASES = {"default": _VENDORS[DEFAULT_VENDOR]}
+DATABASES: dict[str, Any] = {"default": _VENDORS[DEFAULT_VENDOR]}
 for _vendor, _config in _VENDORS.items():
     if _vendor != DEFAULT_VENDOR:
         DATABASES[_vendor] = _config
@@ -82,13 +87,22 @@ for _vendor, _config in _VENDORS.items():
 # A test run may set OUTBOX_TEST_DB_NAME to reuse the exact database a test created
 # (relay and worker subprocesses of the end-to-end tests).
 if os.environ.get("OUTBOX_TEST_DB_NAME"):
-    DATABASES["default"] = dict(DATABASES["default"], NAME=os.environ["OUTBOX_TEST_DB_NAME"])
+    DATABASES["default"] = dict(
+        DATABASES["default"], NAME=os.environ["OUTBOX_TEST_DB_NAME"]
+    )
 
-CELERY_BROKER_URL = os.environ.get("OUTBOX_TEST_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
-CELERY_RESULT_BACKEND = os.environ.get("OUTBOX_TEST_RESULT_BACKEND") or None
-CELERY_TASK_DEFAULT_QUEUE = os.environ.get("OUTBOX_TEST_QUEUE", "celery-outbox-tests")
+os.environ.setdefault("OUTBOX_TEST_QUEUE", f"celery-outbox-tests-{RUN_ID}")
+CELERY_BROKER_URL = os.environ.get(
+    "OUTBOX_TEST_BROKER", "amqp://guest:guest@127.0.0.1:5672//"
+)
+CELERY_RESULT_BACKEND = os.environ.get(
+    "OUTBOX_TEST_RESULT_BACKEND", "redis://127.0.0.1:6379/15"
+)
+CELERY_TASK_DEFAULT_QUEUE = os.environ["OUTBOX_TEST_QUEUE"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+SILENCED_SYSTEM_CHECKS = ["celery_outbox.W001"]
 
 CELERY_OUTBOX_POLL_INTERVAL = 0.2
 CELERY_OUTBOX_LEASE_SECONDS = 30.0

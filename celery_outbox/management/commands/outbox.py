@@ -20,9 +20,13 @@ class Command(BaseCommand):
     help = "celery-outbox: run the relay and inspect the outbox."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        sub = parser.add_subparsers(dest="subcommand", required=True, metavar="{relay,stats}")
+        sub = parser.add_subparsers(
+            dest="subcommand", required=True, metavar="{relay,stats}"
+        )
         kwargs: dict[str, Any] = {"called_from_command_line": True}
-        relay = sub.add_parser("relay", help="Publish committed rows to the broker.", **kwargs)
+        relay = sub.add_parser(
+            "relay", help="Publish committed rows to the broker.", **kwargs
+        )
         relay.add_argument(
             "--until-empty", action="store_true", help="Exit 0 once no row is due."
         )
@@ -34,8 +38,12 @@ class Command(BaseCommand):
         relay.add_argument("--max-attempts", type=_positive(int), default=None)
         relay.add_argument("--retry-base-seconds", type=_positive(float), default=None)
         relay.add_argument("--retry-max-seconds", type=_positive(float), default=None)
-        relay.add_argument("--broker-outage-cooldown", type=_positive(float), default=None)
-        relay.add_argument("--liveness-file", default=None, help="Touched while the loop is healthy.")
+        relay.add_argument(
+            "--broker-outage-cooldown", type=_positive(float), default=None
+        )
+        relay.add_argument(
+            "--liveness-file", default=None, help="Touched while the loop is healthy."
+        )
         stats = sub.add_parser("stats", help="Print the outbox backlog.", **kwargs)
         stats.add_argument("--format", choices=["text", "json"], default="text")
 
@@ -71,7 +79,10 @@ class Command(BaseCommand):
         def on_signal(signum: int, _frame: Any) -> None:
             relay.stop()
 
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {
+            sig: signal.signal(sig, on_signal)
+            for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             logger.info("relay started (database %r)", relay.store.alias)
             reason = relay.run()
@@ -104,7 +115,9 @@ def _positive(kind: type) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {kind.__name__}"
+            ) from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import shared_task
+from django.db import transaction
 
 from .models import TaskRun
 
@@ -47,4 +48,33 @@ def spawn(self: Any, tag: str) -> str:
     """Enqueue a follow-up from inside the worker, outside any transaction."""
     record.delay(f"{tag}-child")
     _record(self, tag)
+    return tag
+
+
+@shared_task(bind=True, name="shop.trace")
+def trace(self: Any, tag: str) -> str:
+    """Record this execution's lineage: ``{"parent_id": ..., "root_id": ...}``."""
+    _record(
+        self,
+        tag,
+        {"parent_id": self.request.parent_id, "root_id": self.request.root_id},
+    )
+    return tag
+
+
+@shared_task(bind=True, name="shop.spawn_child")
+def spawn_child(self: Any, tag: str, atomic: bool = False) -> str:
+    """Enqueue ``shop.trace(f"{tag}-child")`` from inside the worker.
+
+    Outside a transaction the child goes straight to the broker; with ``atomic`` it is
+    sent inside ``transaction.atomic()`` and so goes through the outbox, committed
+    together with this task's own TaskRun row.
+    """
+    if not atomic:
+        trace.delay(f"{tag}-child")
+        _record(self, tag)
+        return tag
+    with transaction.atomic():
+        trace.delay(f"{tag}-child")
+        _record(self, tag)
     return tag

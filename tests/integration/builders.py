@@ -1,0 +1,29 @@
+"""Builders shared by the integration tests."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from celery_outbox.envelope import Envelope
+
+
+def envelope(tag: str = "", **overrides: Any) -> Envelope:
+    """A message with a recognisable task id and body, as the enqueue path would store it."""
+    task_id = overrides.pop("task_id", None) or f"{tag or 'task'}-{uuid.uuid4().hex[:8]}"
+    values: dict[str, Any] = {
+        "task_id": task_id,
+        "task_name": "shop.record",
+        "exchange": "",
+        "routing_key": "celery",
+        "body": b'[["' + tag.encode() + b'"], {}, {}]',
+        "content_type": "application/json",
+        "content_encoding": "utf-8",
+        "headers": {"id": task_id, "task": "shop.record", "argsrepr": repr((tag,))},
+        "properties": {"correlation_id": task_id, "delivery_mode": 2},
+        "declare": ("celery",),
+        "queue": "celery",
+        "arguments_preview": f"args=('{tag}',) kwargs={{}}",
+    }
+    values.update(overrides)
+    return Envelope(**values)

@@ -1,0 +1,158 @@
+"""The enqueue path through a real OutboxCelery app and real databases."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from celery import chain, group
+from django.db import transaction
+from kombu import Connection
+
+from celery_outbox.app import OutboxCelery, resolve_app
+from celery_outbox.conf import get_settings
+from celery_outbox.exceptions import (
+    OutboxConfigurationError,
+    OutboxSerializationError,
+    OutboxTransactionError,
+)
+from celery_outbox.models import OutboxMessage
+from tests.project.shop.models import Order
+from tests.project.shop.tasks import add, record
+
+from ..conftest import BROKER_AMQP
+
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
+
+
+def rows(alias: str = "default") -> list[OutboxMessage]:
+    return list(OutboxMessage.objects.using(alias).order_by("id"))
+
+
+def test_delay_writes_a_row_in_the_callers_transaction() -> None:
+    with transaction.atomic():
+        Order.objects.create(number="1")
+        result = record.delay("hello", {"when": Decimal("1.50"), "id": uuid.uuid4()})
+        assert [r.task_id for r in rows()] == [result.id]
+    [row] = rows()
+    assert row.task_name == "shop.record"
+    assert row.headers and result.id in row.headers
+    assert "hello" in row.arguments_preview
+
+
+def test_a_rollback_writes_nothing() -> None:
+    with pytest.raises(RuntimeError), transaction.atomic():
+        Order.objects.create(number="1")
+        record.delay("never")
+        raise RuntimeError("rollback")
+    assert rows() == []
+    assert Order.objects.count() == 0
+
+
+def test_canvas_writes_one_row_per_message() -> None:
+    with transaction.atomic():
+        group(record.s(f"g{i}") for i in range(3)).apply_async()
+        chain(add.s(1, 2), add.s(3)).apply_async()
+    names = sorted(r.task_name for r in rows())
+    assert names == ["shop.add", "shop.record", "shop.record", "shop.record"]
+
+
+def test_outside_a_transaction_warns_once_per_task_name(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="celery_outbox")
+    add.delay(1, 1)
+    add.delay(2, 2)
+    warnings = [r for r in caplog.records if "outside transaction.atomic()" in r.getMessage()]
+    assert len(warnings) <= 1  # once per process: an earlier test may already have warned
+    assert len(rows()) == 2
+
+
+def test_strict_mode_refuses_calls_outside_a_transaction(settings: Any) -> None:
+    settings.CELERY_OUTBOX_OUTSIDE_TRANSACTION = "raise"
+    with pytest.raises(OutboxTransactionError, match="outside transaction.atomic"):
+        record.delay("strict")
+    assert rows() == []
+    with transaction.atomic():
+        record.delay("inside")
+    assert len(rows()) == 1
+
+
+def test_allow_mode_is_silent(settings: Any, caplog: pytest.LogCaptureFixture) -> None:
+    settings.CELERY_OUTBOX_OUTSIDE_TRANSACTION = "allow"
+    caplog.set_level(logging.WARNING, logger="celery_outbox")
+    record.delay(f"quiet-{uuid.uuid4()}")
+    assert not [r for r in caplog.records if "outside transaction.atomic()" in r.getMessage()]
+    assert len(rows()) == 1
+
+
+def test_business_data_on_another_alias_is_refused() -> None:
+    with pytest.raises(OutboxTransactionError, match=r"'mysql'.*outbox lives on 'default'"):
+        with transaction.atomic(using="mysql"):
+            Order.objects.using("mysql").create(number="1")
+            record.delay("split")
+    assert rows() == []
+    assert Order.objects.using("mysql").count() == 0
+
+
+@pytest.mark.parametrize("alias", ["mysql", "sqlite"])
+def test_the_outbox_can_live_on_another_alias(settings: Any, alias: str) -> None:
+    settings.CELERY_OUTBOX_DATABASE = alias
+    with transaction.atomic(using=alias):
+        Order.objects.using(alias).create(number="1")
+        result = record.delay("elsewhere")
+    assert [r.task_id for r in rows(alias)] == [result.id]
+    assert rows("default") == []
+
+
+def test_unencodable_arguments_fail_at_the_call_and_write_nothing() -> None:
+    class Money:
+        pass
+
+    with transaction.atomic():
+        Order.objects.create(number="kept")
+        with pytest.raises(OutboxSerializationError) as raised:
+            record.delay("bad", Money())
+        # The caller's transaction is still usable: the error came before any write.
+        Order.objects.create(number="also kept")
+    message = str(raised.value)
+    assert "'shop.record'" in message
+    assert "positional argument 1" in message
+    assert "Money" in message
+    assert "'json'" in message
+    assert rows() == []
+    assert Order.objects.count() == 2
+
+
+def test_excluded_tasks_go_straight_to_the_broker(settings: Any, test_queue: str) -> None:
+    settings.CELERY_OUTBOX_EXCLUDE_TASKS = ["shop.rec*"]
+    tag = f"direct-{uuid.uuid4()}"
+    with transaction.atomic():
+        record.delay(tag)
+    assert rows() == []
+    with Connection(BROKER_AMQP) as conn:
+        queue = conn.SimpleQueue(test_queue)
+        try:
+            bodies = []
+            while True:
+                try:
+                    message = queue.get(timeout=1)
+                except queue.Empty:
+                    break
+                message.ack()
+                bodies.append(message.decode())
+        finally:
+            queue.close()
+    assert any(tag in repr(body) for body in bodies)
+
+
+def test_resolve_app_names_what_to_set(settings: Any) -> None:
+    settings.CELERY_OUTBOX_APP = "tests.project.celery_app.app"
+    assert isinstance(resolve_app(get_settings()), OutboxCelery)
+    settings.CELERY_OUTBOX_APP = "tests.project.shop.models.Order"
+    with pytest.raises(OutboxConfigurationError, match="not an OutboxCelery"):
+        resolve_app(get_settings())
+    settings.CELERY_OUTBOX_APP = "nowhere.celery.app"
+    with pytest.raises(OutboxConfigurationError, match="cannot be imported"):
+        resolve_app(get_settings())

@@ -1,0 +1,123 @@
+"""The relay loop on a real database, with the in-memory publisher as the broker."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connections, transaction
+
+from celery_outbox.broker import InMemoryPublisher
+from celery_outbox.conf import OutboxSettings
+from celery_outbox.envelope import StoredMessage
+from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.relay.config import RelayConfig
+from celery_outbox.relay.core import Outcome, PublishResult
+from celery_outbox.relay.events import RelayEvent, StopReason
+from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.store import OutboxStore
+
+from .builders import envelope
+
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
+
+FAST = OutboxSettings(
+    max_attempts=3,
+    retry_base_seconds=0.01,
+    retry_max_seconds=0.02,
+    broker_outage_cooldown=60.0,
+    poll_interval=0.05,
+)
+
+
+def relay_for(alias: str, publisher: InMemoryPublisher, **overrides: object) -> Relay:
+    config = RelayConfig.from_settings(FAST, **overrides)
+    return Relay(OutboxStore(alias), publisher, config, listeners=())
+
+
+def enqueue(alias: str, *tags: str) -> None:
+    with transaction.atomic(using=alias):
+        OutboxStore(alias).insert([envelope(tag) for tag in tags])
+
+
+def test_until_empty_publishes_everything_and_returns(alias: str) -> None:
+    enqueue(alias, *[f"t{i}" for i in range(30)])
+    publisher = InMemoryPublisher()
+    assert relay_for(alias, publisher, batch_size=7, until_empty=True).run() is StopReason.EMPTY
+    assert len(publisher.published) == 30
+    assert len({e.task_id for e in publisher.published}) == 30
+    assert OutboxMessage.objects.using(alias).count() == 0
+
+
+def refuse_poison(message: StoredMessage) -> PublishResult | None:
+    if message.envelope.task_id.startswith("poison"):
+        return PublishResult(message.id, Outcome.FAILED, "PreconditionFailed: body too large")
+    return None
+
+
+def test_a_poison_message_is_dead_lettered_after_its_attempts_and_blocks_nothing(alias: str) -> None:
+    enqueue(alias, "good-1", "poison", "good-2")
+    publisher = InMemoryPublisher(refuse_poison)
+    relay = relay_for(alias, publisher, until_empty=True)
+    deadline = time.monotonic() + 10
+    while OutboxMessage.objects.using(alias).exists() and time.monotonic() < deadline:
+        relay.run()
+        time.sleep(0.02)
+    assert sorted(e.task_id.split("-")[0] for e in publisher.published) == ["good", "good"]
+    dead = DeadLetter.objects.using(alias).get()
+    assert dead.task_id.startswith("poison")
+    assert dead.attempts == 3
+    assert dead.last_error == "PreconditionFailed: body too large"
+
+
+def test_an_outage_uses_no_attempts_and_opens_the_breaker(alias: str) -> None:
+    enqueue(alias, "a", "b")
+    publisher = InMemoryPublisher()
+    publisher.down = True
+    relay = relay_for(alias, publisher, breaker_threshold=1, broker_outage_cooldown=0.3)
+    assert relay.run_once() is Cycle.PARTIAL
+    rows = list(OutboxMessage.objects.using(alias).values_list("attempts", "lease_token"))
+    assert rows == [(0, None), (0, None)]
+    assert relay.breaker.is_open(relay.clock())
+    assert relay.run_once() is Cycle.PAUSED  # claims nothing while open
+    publisher.down = False
+    time.sleep(0.35)
+    assert relay.run_once() is Cycle.PARTIAL
+    assert len(publisher.published) == 2
+    assert DeadLetter.objects.using(alias).count() == 0
+
+
+def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
+    enqueue(alias, "a")
+    seen: list[RelayEvent] = []
+
+    def broken(event: RelayEvent) -> None:
+        seen.append(event)
+        raise RuntimeError("metrics are down")
+
+    relay = Relay(OutboxStore(alias), InMemoryPublisher(), RelayConfig.from_settings(FAST), listeners=[broken])
+    assert relay.run_once() is Cycle.PARTIAL
+    assert len(seen) == 1
+    assert OutboxMessage.objects.using(alias).count() == 0
+
+
+@pytest.mark.parametrize("alias", ["default"])
+def test_stop_ends_an_idle_wait_at_once(alias: str) -> None:
+    relay = relay_for(alias, InMemoryPublisher(), poll_interval=30.0)
+    result: list[StopReason] = []
+
+    def run() -> None:
+        try:
+            result.append(relay.run())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    relay.stop()
+    thread.join(5)
+    assert result == [StopReason.SIGNAL]
+    assert time.monotonic() - started < 1.0

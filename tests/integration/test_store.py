@@ -1,0 +1,190 @@
+"""The store contract, run against PostgreSQL, MariaDB and SQLite alike."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timezone
+
+import pytest
+from django.db import connections, transaction
+
+from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.store import OutboxStore
+
+from .builders import envelope
+
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
+
+
+def committed(store: OutboxStore, *tags: str) -> list[str]:
+    envelopes = [envelope(tag) for tag in tags]
+    with transaction.atomic(using=store.alias):
+        store.insert(envelopes)
+    return [e.task_id for e in envelopes]
+
+
+def test_a_rolled_back_insert_leaves_nothing(alias: str) -> None:
+    store = OutboxStore(alias)
+    with pytest.raises(RuntimeError), transaction.atomic(using=alias):
+        store.insert([envelope("lost")])
+        raise RuntimeError("rollback")
+    assert store.claim(10, 30).messages == ()
+    assert store.stats().pending == 0
+
+
+def test_claim_returns_the_whole_message_oldest_first(alias: str) -> None:
+    store = OutboxStore(alias)
+    sent = envelope("a", headers={"id": "x", "eta": datetime(2030, 1, 2, tzinfo=timezone.utc)})
+    with transaction.atomic(using=alias):
+        store.insert([sent, envelope("b"), envelope("c")])
+    claim = store.claim(2, 30)
+    assert [m.envelope.task_id for m in claim.messages] == [sent.task_id, claim.messages[1].envelope.task_id]
+    first = claim.messages[0]
+    assert first.envelope == sent
+    assert first.attempts == 0
+    assert isinstance(first.envelope.body, bytes)
+
+
+def test_a_lease_keeps_other_relays_away_until_it_ends(alias: str) -> None:
+    store = OutboxStore(alias)
+    ids = committed(store, "a", "b")
+    first = store.claim(10, 0.5)
+    assert sorted(m.envelope.task_id for m in first.messages) == sorted(ids)
+    assert store.claim(10, 30).messages == ()
+    stats = store.stats()
+    assert (stats.pending, stats.due, stats.in_flight) == (2, 0, 2)
+    time.sleep(0.7)
+    second = store.claim(10, 30)
+    assert sorted(m.envelope.task_id for m in second.messages) == sorted(ids)
+    # The first relay lost its lease: everything it writes now is fenced off.
+    stale = Settlement(delete=tuple(m.id for m in first.messages))
+    assert store.settle(first.token, stale).deleted == 0
+    assert store.stats().pending == 2
+    assert store.settle(second.token, Settlement(delete=tuple(m.id for m in second.messages))).deleted == 2
+    assert store.stats().pending == 0
+
+
+def test_retry_counts_the_attempt_and_waits(alias: str) -> None:
+    store = OutboxStore(alias)
+    committed(store, "a")
+    claim = store.claim(10, 30)
+    row = claim.messages[0]
+    report = store.settle(claim.token, Settlement(retry=(Decision(row.id, Action.RETRY, 0.4, "NotFound: boom"),)))
+    assert report.retried == 1
+    assert store.claim(10, 30).messages == ()
+    saved = OutboxMessage.objects.using(alias).get(id=row.id)
+    assert (saved.attempts, saved.last_error, saved.lease_token) == (1, "NotFound: boom", None)
+    time.sleep(0.6)
+    again = store.claim(10, 30).messages
+    assert [(m.id, m.attempts) for m in again] == [(row.id, 1)]
+
+
+def test_release_keeps_the_attempts(alias: str) -> None:
+    store = OutboxStore(alias)
+    committed(store, "a")
+    claim = store.claim(10, 30)
+    row = claim.messages[0]
+    store.settle(claim.token, Settlement(release=(Decision(row.id, Action.RELEASE, 0.0, "outage"),)))
+    again = store.claim(10, 30).messages
+    assert [(m.id, m.attempts) for m in again] == [(row.id, 0)]
+
+
+def test_dead_letter_keeps_the_whole_message_and_the_reason(alias: str) -> None:
+    store = OutboxStore(alias)
+    committed(store, "poison")
+    claim = store.claim(10, 30)
+    row = claim.messages[0]
+    report = store.settle(
+        claim.token,
+        Settlement(dead_letter=(Decision(row.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: too large"),)),
+    )
+    assert report.dead_lettered == 1
+    assert store.stats().pending == 0
+    assert store.stats().dead == 1
+    dead = DeadLetter.objects.using(alias).get()
+    assert dead.original_id == row.id
+    assert dead.task_id == row.envelope.task_id
+    assert bytes(dead.body) == row.envelope.body
+    assert (dead.attempts, dead.last_error) == (1, "PreconditionFailed: too large")
+    assert dead.dead_at >= dead.created_at
+
+
+def test_a_lost_lease_cannot_dead_letter(alias: str) -> None:
+    store = OutboxStore(alias)
+    committed(store, "a")
+    claim = store.claim(10, 30)
+    decision = Decision(claim.messages[0].id, Action.DEAD_LETTER, 0.0, "x")
+    assert store.settle("not-the-token", Settlement(dead_letter=(decision,))).dead_lettered == 0
+    assert store.stats().dead == 0
+    assert store.stats().pending == 1
+
+
+def test_renew_extends_only_our_lease(alias: str) -> None:
+    store = OutboxStore(alias)
+    committed(store, "a")
+    claim = store.claim(10, 0.3)
+    ids = [m.id for m in claim.messages]
+    assert store.renew("other", ids, 30) == 0
+    assert store.renew(claim.token, ids, 30) == 1
+    time.sleep(0.5)
+    assert store.claim(10, 30).messages == ()
+
+
+def test_stats_report_backlog_and_age(alias: str) -> None:
+    store = OutboxStore(alias)
+    assert store.stats().as_dict() == {
+        "pending": 0,
+        "due": 0,
+        "in_flight": 0,
+        "dead": 0,
+        "oldest_pending_seconds": None,
+    }
+    committed(store, "a", "b", "c")
+    time.sleep(0.3)
+    stats = store.stats()
+    assert (stats.pending, stats.due, stats.dead) == (3, 3, 0)
+    assert stats.oldest_pending_seconds is not None
+    assert 0.2 <= stats.oldest_pending_seconds < 30
+
+
+def test_rows_of_a_newer_payload_version_are_refused_loudly(alias: str) -> None:
+    store = OutboxStore(alias)
+    committed(store, "future")
+    OutboxMessage.objects.using(alias).update(payload_version=99)
+    claim = store.claim(10, 30)
+    assert claim.messages == ()
+    assert len(claim.unreadable) == 1
+    assert "payload version 99" in claim.unreadable[0].error
+
+
+@pytest.mark.parametrize("alias", ["default", "mysql"])
+def test_concurrent_claims_never_share_a_row(alias: str) -> None:
+    store = OutboxStore(alias)
+    with transaction.atomic(using=alias):
+        store.insert([envelope(f"r{i}") for i in range(400)])
+    seen: list[list[int]] = [[], [], [], []]
+    errors: list[BaseException] = []
+
+    def drain(slot: int) -> None:
+        try:
+            while True:
+                claim = store.claim(25, 30)
+                if not claim.messages:
+                    return
+                seen[slot].extend(m.id for m in claim.messages)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            connections[alias].close()
+
+    threads = [threading.Thread(target=drain, args=(slot,)) for slot in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    everything = [row for rows in seen for row in rows]
+    assert len(everything) == 400
+    assert len(set(everything)) == 400

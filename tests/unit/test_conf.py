@@ -1,0 +1,68 @@
+"""Settings are validated once, with messages that say what to fix."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from celery_outbox.conf import OutboxSettings, OutsideTransaction, load_settings
+from celery_outbox.exceptions import OutboxConfigurationError
+from celery_outbox.relay.config import RelayConfig
+
+
+def settings(**values: Any) -> SimpleNamespace:
+    return SimpleNamespace(**{f"CELERY_OUTBOX_{k}": v for k, v in values.items()})
+
+
+def test_defaults_when_nothing_is_set() -> None:
+    assert load_settings(SimpleNamespace()) == OutboxSettings()
+
+
+def test_values_are_read_and_typed() -> None:
+    loaded = load_settings(
+        settings(
+            APP="proj.celery.app",
+            OUTSIDE_TRANSACTION="raise",
+            EXCLUDE_TASKS=["metrics.*"],
+            BATCH_SIZE=100,
+            LEASE_SECONDS=45,
+        )
+    )
+    assert loaded.app == "proj.celery.app"
+    assert loaded.outside_transaction is OutsideTransaction.RAISE
+    assert loaded.exclude_tasks == ("metrics.*",)
+    assert loaded.batch_size == 100
+    assert loaded.lease_seconds == 45.0
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"OUTSIDE_TRANSACTION": "sometimes"}, "must be one of 'warn', 'raise', 'allow'"),
+        ({"EXCLUDE_TASKS": "metrics.*"}, "must be a list of task names or glob patterns"),
+        ({"EXCLUDE_TASKS": ["ok", 3]}, "not non-empty strings"),
+        ({"BATCH_SIZE": 0}, "CELERY_OUTBOX_BATCH_SIZE must be a positive int"),
+        ({"BATCH_SIZE": 2.5}, "CELERY_OUTBOX_BATCH_SIZE must be a positive int"),
+        ({"LEASE_SECONDS": -1}, "CELERY_OUTBOX_LEASE_SECONDS must be a positive float"),
+        ({"CONFIRM_PUBLISH": "yes"}, "CELERY_OUTBOX_CONFIRM_PUBLISH must be True or False"),
+        ({"APP": ""}, "CELERY_OUTBOX_APP must be a non-empty string"),
+        ({"RETRY_BASE_SECONDS": 60, "RETRY_MAX_SECONDS": 10}, "must not be smaller"),
+        ({"BATCHSIZE": 10}, "Unknown setting CELERY_OUTBOX_BATCHSIZE"),
+    ],
+)
+def test_bad_settings_are_refused_with_a_clear_message(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(OutboxConfigurationError, match=message):
+        load_settings(settings(**values))
+
+
+def test_relay_flags_override_settings() -> None:
+    config = RelayConfig.from_settings(OutboxSettings(), batch_size=7, max_attempts=None)
+    assert config.batch_size == 7
+    assert config.policy.max_attempts == OutboxSettings().max_attempts
+
+
+def test_a_lease_shorter_than_the_send_timeout_is_refused() -> None:
+    with pytest.raises(OutboxConfigurationError, match="must be longer than the send timeout"):
+        RelayConfig.from_settings(OutboxSettings(lease_seconds=5.0, send_timeout=10.0))

@@ -1,0 +1,106 @@
+"""The relay's pure decisions: backoff, per-message fate, grouping, the breaker."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_outbox.relay.core import (
+    Action,
+    Breaker,
+    Decision,
+    Outcome,
+    PublishResult,
+    RetryPolicy,
+    Settlement,
+    backoff,
+    decide,
+)
+
+POLICY = RetryPolicy(max_attempts=3, base_seconds=2.0, max_seconds=10.0, outage_cooldown=7.0)
+
+
+def low() -> float:
+    return 0.0
+
+
+def high() -> float:
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("attempt", "ceiling"), [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (50, 10.0), (10_000, 10.0)]
+)
+def test_backoff_is_capped_exponential_with_equal_jitter(attempt: int, ceiling: float) -> None:
+    assert backoff(attempt, POLICY, low) == ceiling / 2
+    assert backoff(attempt, POLICY, high) == ceiling
+
+
+def test_published_rows_are_deleted() -> None:
+    decision = decide(PublishResult(1, Outcome.PUBLISHED), 0, POLICY, low)
+    assert decision == Decision(1, Action.DELETE)
+
+
+def test_a_failure_is_retried_later_with_its_reason() -> None:
+    decision = decide(PublishResult(1, Outcome.FAILED, "NotFound: no exchange"), 0, POLICY, high)
+    assert decision.action is Action.RETRY
+    assert decision.delay == 2.0
+    assert decision.error == "NotFound: no exchange"
+
+
+def test_the_last_attempt_goes_to_the_dead_letters() -> None:
+    result = PublishResult(1, Outcome.FAILED, "PreconditionFailed: too large")
+    assert decide(result, 1, POLICY, low).action is Action.RETRY
+    dead = decide(result, 2, POLICY, low)
+    assert dead == Decision(1, Action.DEAD_LETTER, 0.0, "PreconditionFailed: too large")
+
+
+def test_an_outage_releases_the_row_without_using_an_attempt() -> None:
+    decision = decide(PublishResult(1, Outcome.OUTAGE, "ConnectionRefusedError"), 2, POLICY, low)
+    assert decision == Decision(1, Action.RELEASE, 7.0, "ConnectionRefusedError")
+
+
+def test_rows_never_sent_are_released_at_once() -> None:
+    assert decide(PublishResult(1, Outcome.NOT_SENT), 0, POLICY, low) == Decision(
+        1, Action.RELEASE, 0.0, ""
+    )
+
+
+def test_settlement_groups_decisions_by_action() -> None:
+    decisions = [
+        Decision(1, Action.DELETE),
+        Decision(2, Action.RETRY, 1.0, "x"),
+        Decision(3, Action.DELETE),
+        Decision(4, Action.DEAD_LETTER, 0.0, "y"),
+        Decision(5, Action.RELEASE, 7.0, "z"),
+    ]
+    settlement = Settlement.of(decisions)
+    assert settlement.delete == (1, 3)
+    assert [d.message_id for d in settlement.retry] == [2]
+    assert [d.message_id for d in settlement.dead_letter] == [4]
+    assert [d.message_id for d in settlement.release] == [5]
+    assert settlement.size == 5
+
+
+def outage(n: int) -> list[PublishResult]:
+    return [PublishResult(i, Outcome.OUTAGE, "down") for i in range(n)]
+
+
+def test_breaker_opens_after_consecutive_outages_and_closes_on_success() -> None:
+    breaker = Breaker(threshold=2, cooldown=30.0)
+    breaker = breaker.after_batch(outage(3), now=100.0)
+    assert not breaker.is_open(100.0)
+    breaker = breaker.after_batch(outage(1), now=101.0)
+    assert breaker.is_open(101.0)
+    assert breaker.is_open(130.9)
+    assert not breaker.is_open(131.0)
+    breaker = breaker.after_batch([PublishResult(9, Outcome.PUBLISHED)], now=132.0)
+    assert breaker.consecutive_outages == 0
+    assert not breaker.is_open(132.0)
+
+
+def test_a_refused_message_proves_the_broker_is_up() -> None:
+    breaker = Breaker(threshold=1, cooldown=30.0).after_batch(
+        [PublishResult(1, Outcome.FAILED, "nack")], now=0.0
+    )
+    assert not breaker.is_open(0.0)
+    assert breaker.consecutive_outages == 0
