@@ -157,7 +157,7 @@ class CapturingProducer:
         body: Any,
         routing_key: str | None = None,
         delivery_mode: int | str | None = None,
-        priority: int | None = None,
+        priority: int | None = 0,  # kombu's default: the broker sees priority 0
         serializer: str | None = None,
         headers: Mapping[str, Any] | None = None,
         compression: str | None = None,

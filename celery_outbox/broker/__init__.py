@@ -10,10 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..conf import OutboxSettings
-from .base import Publisher, describe, is_outage
+from .base import Budget, FixedBudget, Publisher, describe, is_outage
 from .memory import InMemoryPublisher
 
-__all__ = ["InMemoryPublisher", "Publisher", "build_publisher", "describe", "is_outage"]
+__all__ = [
+    "Budget",
+    "FixedBudget",
+    "InMemoryPublisher",
+    "Publisher",
+    "build_publisher",
+    "describe",
+    "is_outage",
+]
 
 
 def build_publisher(app: Any, settings: OutboxSettings) -> Publisher:

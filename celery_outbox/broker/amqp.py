@@ -19,7 +19,7 @@ import amqp.exceptions as amqp_errors
 
 from ..envelope import StoredMessage
 from ..relay.core import Outcome, PublishResult
-from .base import all_with, describe, envelope_properties, is_outage
+from .base import Budget, all_with, describe, envelope_properties, is_outage
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -94,13 +94,13 @@ class AmqpPublisher:
     # -- Publisher -------------------------------------------------------------
 
     def publish(
-        self, messages: Sequence[StoredMessage], deadline: float
+        self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
         """Publish a batch; see the module docstring for how failures are isolated."""
         if not messages:
             return []
         try:
-            results = self._publish_batch(messages, deadline)
+            results = self._publish_batch(messages, budget)
         except amqp_errors.ChannelError as exc:
             if is_outage(exc):
                 self.close()
@@ -110,7 +110,7 @@ class AmqpPublisher:
             )
             self._drop_channel()
             results = self._confirms.results
-            return self._isolate(messages, results, deadline)
+            return self._isolate(messages, results, budget)
         except Exception as exc:
             if not is_outage(exc):
                 raise
@@ -141,17 +141,22 @@ class AmqpPublisher:
     # -- internals -------------------------------------------------------------
 
     def _publish_batch(
-        self, messages: Sequence[StoredMessage], deadline: float
+        self, messages: Sequence[StoredMessage], budget: Budget
     ) -> dict[int, PublishResult]:
         channel = self._open_channel()
         # Delivery tags count every publish on the channel since confirm_select.
         confirms = self._confirms = _Confirms(self._next_tag)
         for message in messages:
+            if not budget.keep_going():
+                confirms.results[message.id] = PublishResult(
+                    message.id, Outcome.NOT_SENT
+                )
+                continue
             failure = self._prepare_route(message)
             if failure is not None:
                 confirms.results[message.id] = failure
                 continue
-            self._send(channel, message, deadline)
+            self._send(channel, message, budget.deadline())
             if self._confirm:
                 confirms.sent(message)
                 self._next_tag = confirms.next_tag
@@ -159,14 +164,14 @@ class AmqpPublisher:
                 confirms.results[message.id] = PublishResult(
                     message.id, Outcome.PUBLISHED
                 )
-        self._await(deadline)
+        self._await(budget)
         return confirms.results
 
     def _isolate(
         self,
         messages: Sequence[StoredMessage],
         known: dict[int, PublishResult],
-        deadline: float,
+        budget: Budget,
     ) -> list[PublishResult]:
         results: list[PublishResult] = []
         for message in messages:
@@ -174,7 +179,7 @@ class AmqpPublisher:
                 results.append(known[message.id])
                 continue
             try:
-                results.append(self._publish_batch([message], deadline)[message.id])
+                results.append(self._publish_batch([message], budget)[message.id])
             except amqp_errors.ChannelError as exc:
                 self._drop_channel()
                 outcome = Outcome.OUTAGE if is_outage(exc) else Outcome.FAILED
@@ -263,15 +268,20 @@ class AmqpPublisher:
             timeout=max(deadline - time.monotonic(), 0.001),
         )
 
-    def _await(self, deadline: float) -> None:
+    def _await(self, budget: Budget) -> None:
+        """Wait for every confirm, in slices so the relay can heartbeat meanwhile."""
         confirms = self._confirms
         while confirms.waiting:
-            remaining = deadline - time.monotonic()
+            budget.keep_going()  # lets the relay touch its liveness file and renew leases
+            remaining = budget.deadline() - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
                     "publisher confirms did not arrive before the send timeout"
                 )
-            self._connection.connection.drain_events(timeout=remaining)
+            try:
+                self._connection.connection.drain_events(timeout=min(remaining, 1.0))
+            except TimeoutError:
+                continue
 
     def _on_ack(self, tag: int, multiple: bool) -> None:
         self._confirms.settle(tag, multiple, Outcome.PUBLISHED)

@@ -10,16 +10,47 @@ from ..envelope import StoredMessage
 from ..relay.core import Outcome, PublishResult
 
 
+class Budget(Protocol):
+    """How long a batch may take, and whether to start the next message.
+
+    The relay's budget stops new sends when shutdown begins, shortens the deadline to
+    the shutdown timeout, touches the liveness file and renews leases of slow batches.
+    """
+
+    def keep_going(self) -> bool:
+        """False once no further message should be started (shutdown)."""
+        ...
+
+    def deadline(self) -> float:
+        """The ``time.monotonic()`` value by which in-flight work must end."""
+        ...
+
+
+class FixedBudget:
+    """A budget with a fixed deadline that never stops early."""
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+
+    def keep_going(self) -> bool:
+        """Always go on."""
+        return True
+
+    def deadline(self) -> float:
+        """The deadline given at creation."""
+        return self._deadline
+
+
 class Publisher(Protocol):
     """Publishes a batch of stored messages and says what happened to each.
 
     ``publish`` never raises for a broker problem: a message the broker refused is
-    ``FAILED``, an unreachable broker is ``OUTAGE``. ``deadline`` is a
-    ``time.monotonic()`` value the whole batch must finish by.
+    ``FAILED``, an unreachable broker is ``OUTAGE``, a message not started because
+    the budget said stop is ``NOT_SENT``.
     """
 
     def publish(
-        self, messages: Sequence[StoredMessage], deadline: float
+        self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
         """Publish ``messages`` in order; one result per message, same order."""
         ...

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..envelope import StoredMessage
 from ..relay.core import Outcome, PublishResult
-from .base import all_with, describe, envelope_properties, is_outage
+from .base import Budget, all_with, describe, envelope_properties, is_outage
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -32,7 +32,7 @@ class KombuPublisher:
         self._producer: Any = None
 
     def publish(
-        self, messages: Sequence[StoredMessage], deadline: float
+        self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
         """Publish a batch in one transport batch when possible, else message by message."""
         if not messages:
@@ -41,10 +41,16 @@ class KombuPublisher:
             producer = self._open()
             batch = getattr(producer, "batch", None)
             if batch is not None and len(messages) > 1:
-                with batch(max_size=max(len(messages), 1) * 4):
+                sent = 0
+                with batch(max_size=len(messages) * 4):
                     for message in messages:
+                        if not budget.keep_going():
+                            break
                         self._send(producer, message)
-                return all_with(messages, Outcome.PUBLISHED)
+                        sent += 1
+                return all_with(messages[:sent], Outcome.PUBLISHED) + all_with(
+                    messages[sent:], Outcome.NOT_SENT
+                )
         except Exception as exc:
             if is_outage(exc, self._connection_errors()):
                 self.close()
@@ -52,7 +58,7 @@ class KombuPublisher:
             logger.warning(
                 "Batch publish failed (%s); publishing one by one", describe(exc)
             )
-        return self._one_by_one(messages)
+        return self._one_by_one(messages, budget)
 
     def ping(self) -> None:
         """Connect (or reuse the connection); raises when the broker is unreachable."""
@@ -65,9 +71,13 @@ class KombuPublisher:
             with contextlib.suppress(Exception):
                 connection.release()
 
-    def _one_by_one(self, messages: Sequence[StoredMessage]) -> list[PublishResult]:
+    def _one_by_one(
+        self, messages: Sequence[StoredMessage], budget: Budget
+    ) -> list[PublishResult]:
         results: list[PublishResult] = []
         for index, message in enumerate(messages):
+            if not budget.keep_going():
+                return results + all_with(messages[index:], Outcome.NOT_SENT)
             try:
                 self._send(self._open(), message)
             except Exception as exc:

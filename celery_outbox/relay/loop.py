@@ -65,11 +65,18 @@ class Relay:
         self.listeners = list(listeners)
         self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
         self._stopping = False
+        self._stop_at: float | None = None
         self._unsettled: tuple[str, Settlement] | None = None
         self._last_touch = 0.0
 
     def stop(self) -> None:
-        """Ask the loop to finish the current batch and return; safe in a signal handler."""
+        """Ask the loop to finish the current batch and return; safe in a signal handler.
+
+        No new message is started; in-flight publishes get ``shutdown_timeout``;
+        rows of the batch not yet sent are handed back at once.
+        """
+        if self._stop_at is None:
+            self._stop_at = self.clock()
         self._stopping = True
         self.waiter.wake()
 
@@ -110,8 +117,10 @@ class Relay:
             self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
         if not claim.messages:
             return Cycle.EMPTY
-        deadline = started + self.config.send_timeout
-        results = self.publisher.publish(claim.messages, deadline)
+        budget = _BatchBudget(
+            self, claim.token, [m.id for m in claim.messages], started
+        )
+        results = self.publisher.publish(claim.messages, budget)
         attempts = {m.id: m.attempts for m in claim.messages}
         settlement = Settlement.of(
             decide(r, attempts[r.message_id], self.config.policy, self.random)
@@ -185,3 +194,37 @@ class Relay:
             os.utime(path)
         except OSError as exc:
             logger.warning("cannot touch liveness file %s: %s", path, exc)
+
+
+class _BatchBudget:
+    """The relay's side of a batch: stop on shutdown, keep the lease, stay live."""
+
+    def __init__(
+        self, relay: Relay, token: str, ids: list[int], started: float
+    ) -> None:
+        self._relay = relay
+        self._token = token
+        self._ids = ids
+        self._started = started
+        self._renewed = started
+
+    def keep_going(self) -> bool:
+        relay = self._relay
+        relay._touch_liveness()
+        now = relay.clock()
+        lease = relay.config.lease_seconds
+        if now - self._renewed > lease / 3:
+            # A slow batch must not let its lease run out under it.
+            self._renewed = now
+            try:
+                relay.store.renew(self._token, self._ids, lease)
+            except OutboxDatabaseError as exc:
+                emit(relay.listeners, LoopError("renew", describe(exc)))
+        return not relay.stopping
+
+    def deadline(self) -> float:
+        relay = self._relay
+        deadline = self._started + relay.config.send_timeout
+        if relay._stop_at is not None:
+            deadline = min(deadline, relay._stop_at + relay.config.shutdown_timeout)
+        return deadline

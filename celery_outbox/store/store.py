@@ -192,6 +192,12 @@ class OutboxStore:
             )
             return int(cursor.rowcount)
 
+    def ping(self) -> None:
+        """Raise :class:`OutboxDatabaseError` unless the outbox table answers."""
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(f"SELECT 1 FROM {MESSAGE_TABLE} WHERE 1 = 0", [])
+            cursor.fetchall()
+
     def reset_connection(self) -> None:
         """Drop a connection that failed, so the next statement reconnects."""
         connection = self.connection

@@ -44,15 +44,22 @@ class Command(BaseCommand):
         relay.add_argument(
             "--liveness-file", default=None, help="Touched while the loop is healthy."
         )
+        sub.add_parser(
+            "health",
+            help="Exit non-zero with a reason when the database or the broker is unreachable.",
+            **kwargs,
+        )
         stats = sub.add_parser("stats", help="Print the outbox backlog.", **kwargs)
         stats.add_argument("--format", choices=["text", "json"], default="text")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            if options["subcommand"] == "relay":
-                self._relay(options)
-            else:
-                self._stats(options)
+            handler = {
+                "relay": self._relay,
+                "stats": self._stats,
+                "health": self._health,
+            }
+            handler[options["subcommand"]](options)
         except OutboxError as exc:
             raise CommandError(str(exc)) from exc
 
@@ -90,6 +97,32 @@ class Command(BaseCommand):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _health(self, options: dict[str, Any]) -> None:
+        from ...app import resolve_app
+        from ...broker import build_publisher, describe
+        from ...enqueue import outbox_alias
+        from ...store import OutboxStore
+
+        settings = get_settings()
+        alias = outbox_alias(settings)
+        problems = []
+        try:
+            OutboxStore(alias).ping()
+        except OutboxError as exc:
+            problems.append(f"database {alias!r} unreachable: {exc}")
+        app = resolve_app(settings)
+        publisher = build_publisher(app, settings)
+        try:
+            publisher.ping()
+        except Exception as exc:
+            problems.append(f"broker unreachable: {describe(exc)}")
+        finally:
+            publisher.close()
+        if problems:
+            raise CommandError("unhealthy: " + "; ".join(problems))
+        broker = app.connection_for_write().as_uri()
+        self.stdout.write(f"ok: database {alias!r} and broker {broker} reachable")
 
     def _stats(self, options: dict[str, Any]) -> None:
         from ...enqueue import outbox_alias
