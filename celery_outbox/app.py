@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery
@@ -40,18 +42,49 @@ class OutboxCelery(Celery):
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
         """Send a task by name: through the outbox, or direct when :func:`choose_route` says so."""
         settings = get_settings()
+        given = options.get("producer")
         if self._route(name, options.get("task_id"), settings) is Route.DIRECT:
+            if given is None or isinstance(given, CapturingProducer):
+                # Our producer_or_acquire buffers into the outbox: take a real one.
+                with super().producer_or_acquire(None) as producer:
+                    options["producer"] = producer
+                    return super().send_task(name, *args, **options)
             return super().send_task(name, *args, **options)
         options.pop("connection", None)
         options.pop("publisher", None)
+        if not isinstance(given, CapturingProducer):
+            options["producer"] = self._capturing_producer(buffered=False)
+        return super().send_task(name, *args, **options)
+
+    @contextlib.contextmanager
+    def producer_or_acquire(  # type: ignore[override]
+        self, producer: Any = None
+    ) -> Iterator[Any]:
+        """Celery's canvas sends a group's members through one producer: buffer them.
+
+        Every member that goes through the outbox is collected and written in one
+        INSERT when the group is complete, still inside the caller's transaction.
+        """
+        if producer is not None:
+            yield producer
+            return
+        buffer = self._capturing_producer(buffered=True)
+        try:
+            yield buffer
+        except BaseException:
+            buffer.discard()
+            raise
+        buffer.flush()
+
+    def _capturing_producer(self, *, buffered: bool) -> CapturingProducer:
         conf = self.conf
-        options["producer"] = CapturingProducer(
+        return CapturingProducer(
             connection=self.connection_for_write(),
             default_serializer=conf.task_serializer,
             default_compression=conf.task_compression,
             sink=self._outbox_enqueuer.write,
+            buffered=buffered,
         )
-        return super().send_task(name, *args, **options)
 
     def _route(self, name: str, task_id: str | None, settings: OutboxSettings) -> Route:
         running = self.current_worker_task

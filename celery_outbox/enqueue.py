@@ -138,14 +138,35 @@ class CapturingProducer:
         connection: Any,
         default_serializer: str,
         default_compression: str | None,
-        sink: Callable[[Envelope], None],
+        sink: Callable[[Sequence[Envelope]], None],
+        buffered: bool = False,
     ) -> None:
         #: Celery wraps the publish in ``connection._reraise_as_library_errors()``;
         #: the connection is never opened by the enqueue path.
         self.connection = connection
+        #: Read by Celery's eager mode; None means "the app's task_serializer".
+        self.serializer: str | None = None
         self._default_serializer = default_serializer
         self._default_compression = default_compression
         self._sink = sink
+        self._buffered = buffered
+        self._pending: list[Envelope] = []
+
+    def flush(self) -> None:
+        """Write what a buffered producer collected, in one INSERT."""
+        pending, self._pending = self._pending, []
+        if pending:
+            self._sink(pending)
+
+    def discard(self) -> None:
+        """Forget what a buffered producer collected (the canvas call failed)."""
+        self._pending = []
+
+    def _emit(self, envelope: Envelope) -> None:
+        if self._buffered:
+            self._pending.append(envelope)
+        else:
+            self._sink([envelope])
 
     @property
     def channel(self) -> Any:
@@ -191,7 +212,7 @@ class CapturingProducer:
         queues = tuple(
             entity.name for entity in declare or () if isinstance(entity, Queue)
         )
-        self._sink(
+        self._emit(
             Envelope(
                 task_id=str(headers.get("id", "")),
                 task_name=task_name,
@@ -269,9 +290,10 @@ class Enqueuer:
     def __init__(self) -> None:
         self.guard = TransactionGuard()
 
-    def write(self, envelope: Envelope) -> None:
-        """Insert one message on the outbox alias, in the caller's transaction."""
+    def write(self, envelopes: Sequence[Envelope]) -> None:
+        """Insert messages on the outbox alias, in the caller's transaction, in one INSERT."""
         settings = get_settings()
         alias = outbox_alias(settings)
-        self.guard.check(alias, envelope.task_name, settings.outside_transaction)
-        OutboxStore(alias).insert([envelope])
+        for name in dict.fromkeys(e.task_name for e in envelopes):
+            self.guard.check(alias, name, settings.outside_transaction)
+        OutboxStore(alias).insert(envelopes)

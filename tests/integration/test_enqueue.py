@@ -60,12 +60,18 @@ def test_canvas_writes_one_row_per_message() -> None:
     assert names == ["shop.add", "shop.record", "shop.record", "shop.record"]
 
 
-def test_outside_a_transaction_warns_once_per_task_name(caplog: pytest.LogCaptureFixture) -> None:
+def test_outside_a_transaction_warns_once_per_task_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.WARNING, logger="celery_outbox")
     add.delay(1, 1)
     add.delay(2, 2)
-    warnings = [r for r in caplog.records if "outside transaction.atomic()" in r.getMessage()]
-    assert len(warnings) <= 1  # once per process: an earlier test may already have warned
+    warnings = [
+        r for r in caplog.records if "outside transaction.atomic()" in r.getMessage()
+    ]
+    assert (
+        len(warnings) <= 1
+    )  # once per process: an earlier test may already have warned
     assert len(rows()) == 2
 
 
@@ -83,12 +89,16 @@ def test_allow_mode_is_silent(settings: Any, caplog: pytest.LogCaptureFixture) -
     settings.CELERY_OUTBOX_OUTSIDE_TRANSACTION = "allow"
     caplog.set_level(logging.WARNING, logger="celery_outbox")
     record.delay(f"quiet-{uuid.uuid4()}")
-    assert not [r for r in caplog.records if "outside transaction.atomic()" in r.getMessage()]
+    assert not [
+        r for r in caplog.records if "outside transaction.atomic()" in r.getMessage()
+    ]
     assert len(rows()) == 1
 
 
 def test_business_data_on_another_alias_is_refused() -> None:
-    with pytest.raises(OutboxTransactionError, match=r"'mysql'.*outbox lives on 'default'"):
+    with pytest.raises(
+        OutboxTransactionError, match=r"'mysql'.*outbox lives on 'default'"
+    ):
         with transaction.atomic(using="mysql"):
             Order.objects.using("mysql").create(number="1")
             record.delay("split")
@@ -125,7 +135,9 @@ def test_unencodable_arguments_fail_at_the_call_and_write_nothing() -> None:
     assert Order.objects.count() == 2
 
 
-def test_excluded_tasks_go_straight_to_the_broker(settings: Any, test_queue: str) -> None:
+def test_excluded_tasks_go_straight_to_the_broker(
+    settings: Any, test_queue: str
+) -> None:
     settings.CELERY_OUTBOX_EXCLUDE_TASKS = ["shop.rec*"]
     tag = f"direct-{uuid.uuid4()}"
     with transaction.atomic():
@@ -156,3 +168,27 @@ def test_resolve_app_names_what_to_set(settings: Any) -> None:
     settings.CELERY_OUTBOX_APP = "nowhere.celery.app"
     with pytest.raises(OutboxConfigurationError, match="cannot be imported"):
         resolve_app(get_settings())
+
+
+def test_a_group_is_written_in_one_insert() -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        result = group(record.s(f"bulk-{i}") for i in range(200)).apply_async()
+    inserts = [
+        q["sql"]
+        for q in queries.captured_queries
+        if "INSERT INTO celery_outbox_message" in q["sql"]
+    ]
+    assert len(inserts) == 1
+    assert sorted(r.task_id for r in rows()) == sorted(
+        child.id for child in result.results
+    )
+
+
+def test_a_failed_group_call_writes_nothing() -> None:
+    with transaction.atomic():
+        with pytest.raises(OutboxSerializationError):
+            group([record.s("fine"), record.s("bad", object())]).apply_async()
+    assert rows() == []
