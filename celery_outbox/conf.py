@@ -48,6 +48,7 @@ class OutboxSettings:
     broker_outage_cooldown: float = 5.0
     send_timeout: float = 10.0
     confirm_publish: bool = True
+    notify: bool = True
 
 
 _FIELDS = {
@@ -65,6 +66,7 @@ _FIELDS = {
     "BROKER_OUTAGE_COOLDOWN": "broker_outage_cooldown",
     "SEND_TIMEOUT": "send_timeout",
     "CONFIRM_PUBLISH": "confirm_publish",
+    "NOTIFY": "notify",
 }
 
 
@@ -123,7 +125,7 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
                 ) from None
         elif field == "exclude_tasks":
             values[field] = _str_tuple(name, value)
-        elif field in {"direct_from_worker", "confirm_publish"}:
+        elif field in {"direct_from_worker", "confirm_publish", "notify"}:
             if not isinstance(value, bool):
                 raise OutboxConfigurationError(
                     f"{PREFIX}{name} must be True or False, got {value!r}."

@@ -26,6 +26,7 @@ class RelayConfig:
     liveness_file: str | None = None
     liveness_interval: float = 5.0
     error_pause: float = 1.0
+    min_poll_interval: float = 0.01
 
     @classmethod
     def from_settings(cls, settings: OutboxSettings, **overrides: Any) -> RelayConfig:

@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from ..broker import Publisher, describe
 from ..exceptions import OutboxDatabaseError
@@ -31,6 +32,22 @@ from .events import (
 from .waiter import Waiter
 
 logger = logging.getLogger("celery_outbox.relay")
+
+
+class WakeupSource(Protocol):
+    """Something that becomes readable when new rows commit (LISTEN/NOTIFY)."""
+
+    def fileno(self) -> int | None:
+        """The file to select on, or None when not available right now."""
+        ...
+
+    def drain(self) -> int:
+        """Consume what woke us; how many hints arrived."""
+        ...
+
+    def close(self) -> None:
+        """Release the source."""
+        ...
 
 
 class Cycle(enum.Enum):
@@ -55,6 +72,7 @@ class Relay:
         random_source: Callable[[], float] = random.random,
         waiter: Waiter | None = None,
         listeners: Sequence[Listener] = (log_event,),
+        wakeup: WakeupSource | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
@@ -68,6 +86,8 @@ class Relay:
         self._stop_at: float | None = None
         self._unsettled: tuple[str, Settlement] | None = None
         self._last_touch = 0.0
+        self.wakeup = wakeup
+        self._idle_wait = config.min_poll_interval
 
     def stop(self) -> None:
         """Ask the loop to finish the current batch and return; safe in a signal handler.
@@ -97,8 +117,12 @@ class Relay:
                     if self.run_once() is Cycle.EMPTY:
                         return StopReason.EMPTY
                     continue
-                self._pause(self._pause_seconds(cycle))
+                self._pause(
+                    self._pause_seconds(cycle), woken_by_rows=cycle is not Cycle.PAUSED
+                )
         self.publisher.close()
+        if self.wakeup is not None:
+            self.wakeup.close()
         return StopReason.SIGNAL
 
     def run_once(self) -> Cycle:
@@ -169,15 +193,29 @@ class Relay:
             if self.breaker.is_open(self.clock()):
                 return self.breaker.open_until - self.clock()
             return self.config.error_pause
-        return self.config.poll_interval
+        # Adaptive polling: right after work, look again soon (rows may have committed
+        # while we published); every empty look doubles the wait, up to poll_interval.
+        if cycle is Cycle.PARTIAL:
+            self._idle_wait = self.config.min_poll_interval
+        wait = self._idle_wait
+        self._idle_wait = min(self._idle_wait * 2, self.config.poll_interval)
+        return min(wait, self.config.poll_interval)
 
-    def _pause(self, seconds: float) -> None:
+    def _pause(self, seconds: float, *, woken_by_rows: bool) -> None:
         end = self.clock() + seconds
         while not self._stopping:
             remaining = end - self.clock()
             if remaining <= 0:
                 return
-            if self.waiter.wait(min(remaining, self.config.liveness_interval)):
+            fd = (
+                self.wakeup.fileno()
+                if (woken_by_rows and self.wakeup is not None)
+                else None
+            )
+            also = () if fd is None else (fd,)
+            if self.waiter.wait(min(remaining, self.config.liveness_interval), also):
+                if self.wakeup is not None and self.wakeup.drain():
+                    self._idle_wait = self.config.min_poll_interval
                 return
             self._touch_liveness()
 

@@ -11,6 +11,7 @@ from ..broker import Publisher, build_publisher
 from ..conf import OutboxSettings
 from ..enqueue import outbox_alias
 from ..store import OutboxStore
+from ..store.notify import PgNotifyListener
 from .config import RelayConfig
 from .loop import Relay
 
@@ -26,4 +27,7 @@ def build_relay(
     connections[alias].ensure_connection()
     if publisher is None:
         publisher = build_publisher(resolve_app(settings), settings)
-    return Relay(store, publisher, config)
+    wakeup = None
+    if settings.notify and connections[alias].vendor == "postgresql":
+        wakeup = PgNotifyListener(alias)
+    return Relay(store, publisher, config, wakeup=wakeup)

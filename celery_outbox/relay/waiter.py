@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+from collections.abc import Sequence
 
 
 class Waiter:
@@ -25,11 +26,16 @@ class Waiter:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._write, b"!")
 
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to ``timeout`` seconds; True if woken early."""
-        ready, _, _ = select.select([self._read], [], [], max(timeout, 0.0))
+    def wait(self, timeout: float, also: Sequence[int] = ()) -> bool:
+        """Sleep up to ``timeout`` seconds or until a file in ``also`` is readable.
+
+        Returns True if woken early.
+        """
+        ready, _, _ = select.select([self._read, *also], [], [], max(timeout, 0.0))
         if not ready:
             return False
+        if self._read not in ready:
+            return True
         with contextlib.suppress(BlockingIOError, OSError):
             while os.read(self._read, 4096):
                 pass

@@ -12,6 +12,7 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ..exceptions import OutboxConfigurationError
+from .notify import CHANNEL
 
 MESSAGE_TABLE = "celery_outbox_message"
 DEAD_TABLE = "celery_outbox_deadletter"
@@ -49,6 +50,10 @@ class Dialect:
         """An SQL expression for the database's current UTC time."""
         raise NotImplementedError
 
+    def insert(self, insert_sql: str, notify: bool) -> str:
+        """The enqueue INSERT, with a wake-up hint for the relay where the vendor has one."""
+        return insert_sql
+
     def after(self, seconds: float) -> tuple[str, list[Any]]:
         """SQL (and its parameters) for the database time ``seconds`` from now."""
         raise NotImplementedError
@@ -79,6 +84,13 @@ class Dialect:
 
 class PostgresDialect(Dialect):
     vendor = "postgresql"
+
+    def insert(self, insert_sql: str, notify: bool) -> str:
+        if not notify:
+            return insert_sql
+        # A data-modifying CTE runs even though the SELECT ignores it: one round trip,
+        # and PostgreSQL delivers the notification only if the transaction commits.
+        return f"WITH inserted AS ({insert_sql} RETURNING 1) SELECT pg_notify('{CHANNEL}', '')"
 
     def now(self) -> str:
         return "now()"

@@ -105,8 +105,11 @@ class OutboxStore:
 
     # -- enqueue ---------------------------------------------------------------
 
-    def insert(self, envelopes: Sequence[Envelope]) -> None:
-        """Write messages in the caller's current transaction, in one statement."""
+    def insert(self, envelopes: Sequence[Envelope], *, notify: bool = False) -> None:
+        """Write messages in the caller's current transaction, in one statement.
+
+        With ``notify`` on PostgreSQL the same statement tells listening relays.
+        """
         if not envelopes:
             return
         dialect = self.dialect
@@ -115,9 +118,10 @@ class OutboxStore:
         params: list[Any] = []
         for envelope in envelopes:
             params.extend(_message_values(envelope))
-        sql = (
+        sql = dialect.insert(
             f"INSERT INTO {MESSAGE_TABLE} ({', '.join(_INSERT_COLUMNS)}) VALUES "
-            + ", ".join([row] * len(envelopes))
+            + ", ".join([row] * len(envelopes)),
+            notify,
         )
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
