@@ -1,0 +1,30 @@
+"""An order, and one row per execution of ``send_receipt`` by the worker."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Order(models.Model):
+    number = models.CharField(max_length=32)
+    total_cents = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.number
+
+
+class Receipt(models.Model):
+    """Written by the worker each time ``send_receipt`` runs.
+
+    Deliberately no foreign key and no unique constraint: a receipt for an order that
+    was rolled back, or a second receipt for the same task, must be recordable so the
+    demo can count it as a broken guarantee.
+    """
+
+    task_id = models.CharField(max_length=255, db_index=True)
+    order_id = models.BigIntegerField()
+    executed_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"receipt for order {self.order_id} ({self.task_id})"
