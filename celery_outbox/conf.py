@@ -17,6 +17,7 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+from .durations import parse_duration
 from .exceptions import OutboxConfigurationError
 
 PREFIX = "CELERY_OUTBOX_"
@@ -49,6 +50,11 @@ class OutboxSettings:
     send_timeout: float = 10.0
     confirm_publish: bool = True
     notify: bool = True
+    statsd_address: str | None = None
+    #: Seconds a dead letter is kept before ``purge_dead_letters`` deletes it; None keeps it.
+    dead_letter_retention: float | None = None
+    #: Dotted path of ``(task_name, args, kwargs) -> (args, kwargs)`` applied to shown arguments.
+    redactor: str | None = None
 
 
 _FIELDS = {
@@ -67,6 +73,9 @@ _FIELDS = {
     "SEND_TIMEOUT": "send_timeout",
     "CONFIRM_PUBLISH": "confirm_publish",
     "NOTIFY": "notify",
+    "STATSD_ADDRESS": "statsd_address",
+    "DEAD_LETTER_RETENTION": "dead_letter_retention",
+    "REDACTOR": "redactor",
 }
 
 
@@ -93,6 +102,20 @@ def _str_tuple(name: str, value: Any) -> tuple[str, ...]:
     return items
 
 
+def _retention(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise OutboxConfigurationError(
+            f"{PREFIX}{name} must be None, a number of seconds or a duration such as "
+            f"'30d', got {value!r}."
+        )
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise OutboxConfigurationError(f"{PREFIX}{name}: {exc}.") from None
+
+
 def load_settings(source: Any = django_settings) -> OutboxSettings:
     """Build :class:`OutboxSettings` from a Django settings object, validating each value."""
     raw = {
@@ -109,7 +132,7 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
     values: dict[str, Any] = {}
     for field, value in raw.items():
         name = next(n for n, f in _FIELDS.items() if f == field)
-        if field in {"app", "database"}:
+        if field in {"app", "database", "redactor", "statsd_address"}:
             if value is not None and (not isinstance(value, str) or not value):
                 raise OutboxConfigurationError(
                     f"{PREFIX}{name} must be a non-empty string or None, got {value!r}."
@@ -123,6 +146,8 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
                 raise OutboxConfigurationError(
                     f"{PREFIX}{name} must be one of {choices}, got {value!r}."
                 ) from None
+        elif field == "dead_letter_retention":
+            values[field] = _retention(name, value)
         elif field == "exclude_tasks":
             values[field] = _str_tuple(name, value)
         elif field in {"direct_from_worker", "confirm_publish", "notify"}:

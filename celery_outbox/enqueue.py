@@ -28,6 +28,7 @@ from kombu.serialization import dumps
 from .conf import OutboxSettings, OutsideTransaction, get_settings
 from .envelope import Envelope
 from .exceptions import OutboxSerializationError, OutboxTransactionError
+from .signals import send_created
 from .store import OutboxStore
 
 logger = logging.getLogger("celery_outbox")
@@ -309,3 +310,4 @@ class Enqueuer:
             if now - self._last_notify >= NOTIFY_COALESCE_SECONDS:
                 self._last_notify, notify = now, True
         OutboxStore(alias).insert(envelopes, notify=notify)
+        send_created(envelopes, alias)

@@ -8,7 +8,7 @@ rebuilding anything.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kombu.utils import json as kombu_json
@@ -58,7 +58,8 @@ class StoredMessage:
     id: int
     attempts: int
     envelope: Envelope
-    created_at_epoch: float = field(default=0.0)
+    #: Seconds since the row was written, when claimed (database clock).
+    age_seconds: float | None = None
 
 
 def dump_json(value: Any) -> str:

@@ -7,8 +7,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..envelope import StoredMessage
 from ..store import SettleReport
-from .core import PublishResult
+from .core import PublishResult, Settlement
 
 logger = logging.getLogger("celery_outbox.relay")
 
@@ -22,12 +23,20 @@ class StopReason(enum.Enum):
 
 @dataclass(frozen=True)
 class BatchSettled:
-    """A batch was claimed, published and settled."""
+    """A batch was claimed, published and settled (the settlement is committed)."""
 
-    claimed: int
+    messages: tuple[StoredMessage, ...]
     results: tuple[PublishResult, ...]
+    settlement: Settlement
     report: SettleReport
+    #: Claim to settled, and the publish alone.
     seconds: float
+    publish_seconds: float
+
+    @property
+    def claimed(self) -> int:
+        """How many rows the batch held."""
+        return len(self.messages)
 
 
 @dataclass(frozen=True)

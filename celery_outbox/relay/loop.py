@@ -144,7 +144,9 @@ class Relay:
         budget = _BatchBudget(
             self, claim.token, [m.id for m in claim.messages], started
         )
+        publish_started = self.clock()
         results = self.publisher.publish(claim.messages, budget)
+        publish_seconds = self.clock() - publish_started
         attempts = {m.id: m.attempts for m in claim.messages}
         settlement = Settlement.of(
             decide(r, attempts[r.message_id], self.config.policy, self.random)
@@ -154,7 +156,12 @@ class Relay:
         report = self._settle(claim.token, settlement)
         if report is not None:
             event = BatchSettled(
-                len(claim.messages), tuple(results), report, self.clock() - started
+                claim.messages,
+                tuple(results),
+                settlement,
+                report,
+                self.clock() - started,
+                publish_seconds,
             )
             emit(self.listeners, event)
         full = len(claim.messages) >= self.config.batch_size

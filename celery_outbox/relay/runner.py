@@ -10,16 +10,28 @@ from ..app import resolve_app
 from ..broker import Publisher, build_publisher
 from ..conf import OutboxSettings
 from ..enqueue import outbox_alias
+from ..exceptions import OutboxConfigurationError
+from ..metrics import PrometheusSink, RelayMetrics, StatsdSink
+from ..signals import send_relay_signals
 from ..store import OutboxStore
 from ..store.notify import PgNotifyListener
 from .config import RelayConfig
+from .events import Listener, log_event
 from .loop import Relay
 
 
 def build_relay(
-    settings: OutboxSettings, *, publisher: Publisher | None = None, **overrides: Any
+    settings: OutboxSettings,
+    *,
+    publisher: Publisher | None = None,
+    metrics_port: int | None = None,
+    **overrides: Any,
 ) -> Relay:
-    """A relay for the configured app and outbox alias; fails early on bad configuration."""
+    """A relay for the configured app and outbox alias; fails early on bad configuration.
+
+    Listeners: logging, Django signals, and metrics when StatsD is configured or a
+    Prometheus port is given (``/metrics`` served on that port).
+    """
     config = RelayConfig.from_settings(settings, **overrides)
     alias = outbox_alias(settings)
     store = OutboxStore(alias)
@@ -30,4 +42,16 @@ def build_relay(
     wakeup = None
     if settings.notify and connections[alias].vendor == "postgresql":
         wakeup = PgNotifyListener(alias)
-    return Relay(store, publisher, config, wakeup=wakeup)
+    listeners: list[Listener] = [log_event, send_relay_signals]
+    if settings.statsd_address:
+        listeners.append(RelayMetrics(StatsdSink(settings.statsd_address), store))
+    if metrics_port is not None:
+        try:
+            import prometheus_client
+        except ImportError as exc:
+            raise OutboxConfigurationError(
+                "--metrics-port needs prometheus_client: pip install 'celery-outbox[prometheus]'."
+            ) from exc
+        prometheus_client.start_http_server(metrics_port)
+        listeners.append(RelayMetrics(PrometheusSink(), store))
+    return Relay(store, publisher, config, wakeup=wakeup, listeners=listeners)

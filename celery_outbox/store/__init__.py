@@ -2,6 +2,32 @@
 
 from __future__ import annotations
 
-from .store import Claim, OutboxStore, SettleReport, Stats
+from .store import (
+    BacklogGroup,
+    Claim,
+    DeadLetterFilter,
+    DeadTask,
+    OutboxStore,
+    PurgeReport,
+    ReplayReport,
+    RetryingTask,
+    SettleReport,
+    Stats,
+    Summary,
+    TopFailures,
+)
 
-__all__ = ["Claim", "OutboxStore", "SettleReport", "Stats"]
+__all__ = [
+    "BacklogGroup",
+    "Claim",
+    "DeadLetterFilter",
+    "DeadTask",
+    "OutboxStore",
+    "PurgeReport",
+    "ReplayReport",
+    "RetryingTask",
+    "SettleReport",
+    "Stats",
+    "Summary",
+    "TopFailures",
+]

@@ -67,13 +67,17 @@ class Dialect:
     ) -> list[Sequence[Any]]:
         """Lease up to ``limit`` due rows to ``token`` and return them (CLAIM_COLUMNS)."""
         after_sql, after_params = self.after(lease_seconds)
-        columns = ", ".join(CLAIM_COLUMNS)
+        columns = self.claim_columns()
         cursor.execute(
             f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, available_at = {after_sql} "
             f"WHERE id IN ({self._due_ids_sql()}) RETURNING {columns}",
             [token, *after_params, limit],
         )
         return list(cursor.fetchall())
+
+    def claim_columns(self) -> str:
+        """CLAIM_COLUMNS, then the row's age in seconds (for commit-to-publish latency)."""
+        return ", ".join(CLAIM_COLUMNS) + f", {self.age_seconds('created_at')}"
 
     def _due_ids_sql(self) -> str:
         return (
@@ -126,7 +130,7 @@ class MySQLDialect(Dialect):
     ) -> list[Sequence[Any]]:
         # The caller holds a transaction: the locks of SELECT ... FOR UPDATE last
         # until the UPDATE below has stamped the lease.
-        columns = ", ".join(CLAIM_COLUMNS)
+        columns = self.claim_columns()
         cursor.execute(
             f"SELECT {columns} FROM {MESSAGE_TABLE} WHERE available_at <= {self.now()} "
             f"ORDER BY available_at, id LIMIT %s FOR UPDATE SKIP LOCKED",

@@ -10,7 +10,9 @@ from celery_outbox.envelope import Envelope
 
 def envelope(tag: str = "", **overrides: Any) -> Envelope:
     """A message with a recognisable task id and body, as the enqueue path would store it."""
-    task_id = overrides.pop("task_id", None) or f"{tag or 'task'}-{uuid.uuid4().hex[:8]}"
+    task_id = (
+        overrides.pop("task_id", None) or f"{tag or 'task'}-{uuid.uuid4().hex[:8]}"
+    )
     values: dict[str, Any] = {
         "task_id": task_id,
         "task_name": "shop.record",

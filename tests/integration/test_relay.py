@@ -44,7 +44,10 @@ def enqueue(alias: str, *tags: str) -> None:
 def test_until_empty_publishes_everything_and_returns(alias: str) -> None:
     enqueue(alias, *[f"t{i}" for i in range(30)])
     publisher = InMemoryPublisher()
-    assert relay_for(alias, publisher, batch_size=7, until_empty=True).run() is StopReason.EMPTY
+    assert (
+        relay_for(alias, publisher, batch_size=7, until_empty=True).run()
+        is StopReason.EMPTY
+    )
     assert len(publisher.published) == 30
     assert len({e.task_id for e in publisher.published}) == 30
     assert OutboxMessage.objects.using(alias).count() == 0
@@ -52,11 +55,15 @@ def test_until_empty_publishes_everything_and_returns(alias: str) -> None:
 
 def refuse_poison(message: StoredMessage) -> PublishResult | None:
     if message.envelope.task_id.startswith("poison"):
-        return PublishResult(message.id, Outcome.FAILED, "PreconditionFailed: body too large")
+        return PublishResult(
+            message.id, Outcome.FAILED, "PreconditionFailed: body too large"
+        )
     return None
 
 
-def test_a_poison_message_is_dead_lettered_after_its_attempts_and_blocks_nothing(alias: str) -> None:
+def test_a_poison_message_is_dead_lettered_after_its_attempts_and_blocks_nothing(
+    alias: str,
+) -> None:
     enqueue(alias, "good-1", "poison", "good-2")
     publisher = InMemoryPublisher(refuse_poison)
     relay = relay_for(alias, publisher, until_empty=True)
@@ -64,7 +71,10 @@ def test_a_poison_message_is_dead_lettered_after_its_attempts_and_blocks_nothing
     while OutboxMessage.objects.using(alias).exists() and time.monotonic() < deadline:
         relay.run()
         time.sleep(0.02)
-    assert sorted(e.task_id.split("-")[0] for e in publisher.published) == ["good", "good"]
+    assert sorted(e.task_id.split("-")[0] for e in publisher.published) == [
+        "good",
+        "good",
+    ]
     dead = DeadLetter.objects.using(alias).get()
     assert dead.task_id.startswith("poison")
     assert dead.attempts == 3
@@ -77,7 +87,9 @@ def test_an_outage_uses_no_attempts_and_opens_the_breaker(alias: str) -> None:
     publisher.down = True
     relay = relay_for(alias, publisher, breaker_threshold=1, broker_outage_cooldown=0.3)
     assert relay.run_once() is Cycle.PARTIAL
-    rows = list(OutboxMessage.objects.using(alias).values_list("attempts", "lease_token"))
+    rows = list(
+        OutboxMessage.objects.using(alias).values_list("attempts", "lease_token")
+    )
     assert rows == [(0, None), (0, None)]
     assert relay.breaker.is_open(relay.clock())
     assert relay.run_once() is Cycle.PAUSED  # claims nothing while open
@@ -96,7 +108,12 @@ def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
         seen.append(event)
         raise RuntimeError("metrics are down")
 
-    relay = Relay(OutboxStore(alias), InMemoryPublisher(), RelayConfig.from_settings(FAST), listeners=[broken])
+    relay = Relay(
+        OutboxStore(alias),
+        InMemoryPublisher(),
+        RelayConfig.from_settings(FAST),
+        listeners=[broken],
+    )
     assert relay.run_once() is Cycle.PARTIAL
     assert len(seen) == 1
     assert OutboxMessage.objects.using(alias).count() == 0

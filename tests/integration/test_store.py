@@ -36,11 +36,16 @@ def test_a_rolled_back_insert_leaves_nothing(alias: str) -> None:
 
 def test_claim_returns_the_whole_message_oldest_first(alias: str) -> None:
     store = OutboxStore(alias)
-    sent = envelope("a", headers={"id": "x", "eta": datetime(2030, 1, 2, tzinfo=timezone.utc)})
+    sent = envelope(
+        "a", headers={"id": "x", "eta": datetime(2030, 1, 2, tzinfo=timezone.utc)}
+    )
     with transaction.atomic(using=alias):
         store.insert([sent, envelope("b"), envelope("c")])
     claim = store.claim(2, 30)
-    assert [m.envelope.task_id for m in claim.messages] == [sent.task_id, claim.messages[1].envelope.task_id]
+    assert [m.envelope.task_id for m in claim.messages] == [
+        sent.task_id,
+        claim.messages[1].envelope.task_id,
+    ]
     first = claim.messages[0]
     assert first.envelope == sent
     assert first.attempts == 0
@@ -62,7 +67,12 @@ def test_a_lease_keeps_other_relays_away_until_it_ends(alias: str) -> None:
     stale = Settlement(delete=tuple(m.id for m in first.messages))
     assert store.settle(first.token, stale).deleted == 0
     assert store.stats().pending == 2
-    assert store.settle(second.token, Settlement(delete=tuple(m.id for m in second.messages))).deleted == 2
+    assert (
+        store.settle(
+            second.token, Settlement(delete=tuple(m.id for m in second.messages))
+        ).deleted
+        == 2
+    )
     assert store.stats().pending == 0
 
 
@@ -71,11 +81,18 @@ def test_retry_counts_the_attempt_and_waits(alias: str) -> None:
     committed(store, "a")
     claim = store.claim(10, 30)
     row = claim.messages[0]
-    report = store.settle(claim.token, Settlement(retry=(Decision(row.id, Action.RETRY, 0.4, "NotFound: boom"),)))
+    report = store.settle(
+        claim.token,
+        Settlement(retry=(Decision(row.id, Action.RETRY, 0.4, "NotFound: boom"),)),
+    )
     assert report.retried == 1
     assert store.claim(10, 30).messages == ()
     saved = OutboxMessage.objects.using(alias).get(id=row.id)
-    assert (saved.attempts, saved.last_error, saved.lease_token) == (1, "NotFound: boom", None)
+    assert (saved.attempts, saved.last_error, saved.lease_token) == (
+        1,
+        "NotFound: boom",
+        None,
+    )
     time.sleep(0.6)
     again = store.claim(10, 30).messages
     assert [(m.id, m.attempts) for m in again] == [(row.id, 1)]
@@ -86,7 +103,10 @@ def test_release_keeps_the_attempts(alias: str) -> None:
     committed(store, "a")
     claim = store.claim(10, 30)
     row = claim.messages[0]
-    store.settle(claim.token, Settlement(release=(Decision(row.id, Action.RELEASE, 0.0, "outage"),)))
+    store.settle(
+        claim.token,
+        Settlement(release=(Decision(row.id, Action.RELEASE, 0.0, "outage"),)),
+    )
     again = store.claim(10, 30).messages
     assert [(m.id, m.attempts) for m in again] == [(row.id, 0)]
 
@@ -98,7 +118,13 @@ def test_dead_letter_keeps_the_whole_message_and_the_reason(alias: str) -> None:
     row = claim.messages[0]
     report = store.settle(
         claim.token,
-        Settlement(dead_letter=(Decision(row.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: too large"),)),
+        Settlement(
+            dead_letter=(
+                Decision(
+                    row.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: too large"
+                ),
+            )
+        ),
     )
     assert report.dead_lettered == 1
     assert store.stats().pending == 0
@@ -116,7 +142,10 @@ def test_a_lost_lease_cannot_dead_letter(alias: str) -> None:
     committed(store, "a")
     claim = store.claim(10, 30)
     decision = Decision(claim.messages[0].id, Action.DEAD_LETTER, 0.0, "x")
-    assert store.settle("not-the-token", Settlement(dead_letter=(decision,))).dead_lettered == 0
+    assert (
+        store.settle("not-the-token", Settlement(dead_letter=(decision,))).dead_lettered
+        == 0
+    )
     assert store.stats().dead == 0
     assert store.stats().pending == 1
 

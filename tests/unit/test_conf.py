@@ -40,29 +40,44 @@ def test_values_are_read_and_typed() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"OUTSIDE_TRANSACTION": "sometimes"}, "must be one of 'warn', 'raise', 'allow'"),
-        ({"EXCLUDE_TASKS": "metrics.*"}, "must be a list of task names or glob patterns"),
+        (
+            {"OUTSIDE_TRANSACTION": "sometimes"},
+            "must be one of 'warn', 'raise', 'allow'",
+        ),
+        (
+            {"EXCLUDE_TASKS": "metrics.*"},
+            "must be a list of task names or glob patterns",
+        ),
         ({"EXCLUDE_TASKS": ["ok", 3]}, "not non-empty strings"),
         ({"BATCH_SIZE": 0}, "CELERY_OUTBOX_BATCH_SIZE must be a positive int"),
         ({"BATCH_SIZE": 2.5}, "CELERY_OUTBOX_BATCH_SIZE must be a positive int"),
         ({"LEASE_SECONDS": -1}, "CELERY_OUTBOX_LEASE_SECONDS must be a positive float"),
-        ({"CONFIRM_PUBLISH": "yes"}, "CELERY_OUTBOX_CONFIRM_PUBLISH must be True or False"),
+        (
+            {"CONFIRM_PUBLISH": "yes"},
+            "CELERY_OUTBOX_CONFIRM_PUBLISH must be True or False",
+        ),
         ({"APP": ""}, "CELERY_OUTBOX_APP must be a non-empty string"),
         ({"RETRY_BASE_SECONDS": 60, "RETRY_MAX_SECONDS": 10}, "must not be smaller"),
         ({"BATCHSIZE": 10}, "Unknown setting CELERY_OUTBOX_BATCHSIZE"),
     ],
 )
-def test_bad_settings_are_refused_with_a_clear_message(values: dict[str, Any], message: str) -> None:
+def test_bad_settings_are_refused_with_a_clear_message(
+    values: dict[str, Any], message: str
+) -> None:
     with pytest.raises(OutboxConfigurationError, match=message):
         load_settings(settings(**values))
 
 
 def test_relay_flags_override_settings() -> None:
-    config = RelayConfig.from_settings(OutboxSettings(), batch_size=7, max_attempts=None)
+    config = RelayConfig.from_settings(
+        OutboxSettings(), batch_size=7, max_attempts=None
+    )
     assert config.batch_size == 7
     assert config.policy.max_attempts == OutboxSettings().max_attempts
 
 
 def test_a_lease_shorter_than_the_send_timeout_is_refused() -> None:
-    with pytest.raises(OutboxConfigurationError, match="must be longer than the send timeout"):
+    with pytest.raises(
+        OutboxConfigurationError, match="must be longer than the send timeout"
+    ):
         RelayConfig.from_settings(OutboxSettings(lease_seconds=5.0, send_timeout=10.0))

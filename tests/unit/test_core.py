@@ -16,7 +16,9 @@ from celery_outbox.relay.core import (
     decide,
 )
 
-POLICY = RetryPolicy(max_attempts=3, base_seconds=2.0, max_seconds=10.0, outage_cooldown=7.0)
+POLICY = RetryPolicy(
+    max_attempts=3, base_seconds=2.0, max_seconds=10.0, outage_cooldown=7.0
+)
 
 
 def low() -> float:
@@ -28,9 +30,12 @@ def high() -> float:
 
 
 @pytest.mark.parametrize(
-    ("attempt", "ceiling"), [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (50, 10.0), (10_000, 10.0)]
+    ("attempt", "ceiling"),
+    [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (50, 10.0), (10_000, 10.0)],
 )
-def test_backoff_is_capped_exponential_with_equal_jitter(attempt: int, ceiling: float) -> None:
+def test_backoff_is_capped_exponential_with_equal_jitter(
+    attempt: int, ceiling: float
+) -> None:
     assert backoff(attempt, POLICY, low) == ceiling / 2
     assert backoff(attempt, POLICY, high) == ceiling
 
@@ -41,7 +46,9 @@ def test_published_rows_are_deleted() -> None:
 
 
 def test_a_failure_is_retried_later_with_its_reason() -> None:
-    decision = decide(PublishResult(1, Outcome.FAILED, "NotFound: no exchange"), 0, POLICY, high)
+    decision = decide(
+        PublishResult(1, Outcome.FAILED, "NotFound: no exchange"), 0, POLICY, high
+    )
     assert decision.action is Action.RETRY
     assert decision.delay == 2.0
     assert decision.error == "NotFound: no exchange"
@@ -55,7 +62,9 @@ def test_the_last_attempt_goes_to_the_dead_letters() -> None:
 
 
 def test_an_outage_releases_the_row_without_using_an_attempt() -> None:
-    decision = decide(PublishResult(1, Outcome.OUTAGE, "ConnectionRefusedError"), 2, POLICY, low)
+    decision = decide(
+        PublishResult(1, Outcome.OUTAGE, "ConnectionRefusedError"), 2, POLICY, low
+    )
     assert decision == Decision(1, Action.RELEASE, 7.0, "ConnectionRefusedError")
 
 

@@ -40,7 +40,10 @@ def test_exclusions_match_exact_names_and_globs(
 ) -> None:
     assert is_excluded(name, patterns) is excluded
     expected = Route.DIRECT if excluded else Route.OUTBOX
-    assert choose_route(call(task_name=name), OutboxSettings(exclude_tasks=patterns)) is expected
+    assert (
+        choose_route(call(task_name=name), OutboxSettings(exclude_tasks=patterns))
+        is expected
+    )
 
 
 def test_task_retry_goes_direct() -> None:

@@ -44,6 +44,12 @@ class Command(BaseCommand):
         relay.add_argument(
             "--liveness-file", default=None, help="Touched while the loop is healthy."
         )
+        relay.add_argument(
+            "--metrics-port",
+            type=_positive(int),
+            default=None,
+            help="Serve Prometheus metrics on this port (needs prometheus_client).",
+        )
         sub.add_parser(
             "health",
             help="Exit non-zero with a reason when the database or the broker is unreachable.",
@@ -81,7 +87,9 @@ class Command(BaseCommand):
         )
         overrides = {name: options[name] for name in names}
         overrides["until_empty"] = overrides["until_empty"] or None
-        relay = build_relay(get_settings(), **overrides)
+        relay = build_relay(
+            get_settings(), metrics_port=options["metrics_port"], **overrides
+        )
 
         def on_signal(signum: int, _frame: Any) -> None:
             relay.stop()

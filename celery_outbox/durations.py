@@ -1,0 +1,53 @@
+"""Small parsers for durations (``90``, ``30m``, ``2h``, ``7d``) and points in time."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
+
+
+def parse_duration(value: str | float) -> float:
+    """Seconds in ``value``: a positive number of seconds or ``<number><s|m|h|d|w>``.
+
+    Raises :class:`ValueError` with a message naming the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise ValueError(
+                f"{value!r} is not a duration; use seconds or a number with a unit, "
+                f"e.g. 90, 30m, 2h, 7d, 2w"
+            )
+        seconds = float(match.group(1)) * _UNITS[(match.group(2) or "s").lower()]
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {value!r}")
+    return seconds
+
+
+def parse_moment(value: str, now: datetime | None = None) -> datetime:
+    """An aware datetime from an ISO 8601 string, or ``now`` minus a duration (``2h`` = two hours ago).
+
+    Naive ISO datetimes are taken as UTC. Raises :class:`ValueError` naming the problem.
+    """
+    now = now or datetime.now(timezone.utc)
+    try:
+        return now - timedelta(seconds=parse_duration(value))
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is neither an ISO datetime (2024-05-01T12:00:00+00:00) nor a "
+            f"duration ago (30m, 2h, 7d)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment

@@ -1,0 +1,189 @@
+"""Relay metrics for Prometheus (optional ``prometheus_client``) and StatsD (plain UDP).
+
+Both backends get the same names, prefixed ``celery_outbox_``:
+
+===============================  =========  ==============================================
+name                             kind       meaning
+===============================  =========  ==============================================
+published_total                  counter    messages confirmed by the broker
+failed_total                     counter    refused publishes that will be retried
+dead_lettered_total              counter    messages moved to the dead-letter table
+outages_total                    counter    messages put back because the broker was down
+breaker_open                     gauge      1 while the relay pauses after outages
+batch_duration_seconds           histogram  claim to settled, per batch
+publish_seconds                  histogram  the broker part of a batch (confirms included)
+commit_to_publish_seconds        histogram  row written to broker confirmed, per message
+pending / due / dead             gauge      backlog, sampled every ``sample_every`` seconds
+oldest_pending_seconds           gauge      age of the oldest waiting row (sampled)
+===============================  =========  ==============================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .relay.core import Outcome
+from .relay.events import BatchSettled, BreakerOpened, RelayEvent
+from .store import OutboxStore, Stats
+
+logger = logging.getLogger("celery_outbox.metrics")
+
+PREFIX = "celery_outbox_"
+
+
+class Sink(Protocol):
+    """Where metric values go."""
+
+    def count(self, name: str, value: float) -> None:
+        """Add to a counter."""
+        ...
+
+    def gauge(self, name: str, value: float) -> None:
+        """Set a gauge."""
+        ...
+
+    def observe(self, name: str, value: float) -> None:
+        """Record one observation of a histogram/timer."""
+        ...
+
+
+class StatsdSink:
+    """Fire-and-forget StatsD over UDP; a lost datagram never slows the relay."""
+
+    def __init__(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"StatsD address must look like 'host:8125', got {address!r}"
+            )
+        self._target = (host, int(port))
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._socket.setblocking(False)
+
+    def close(self) -> None:
+        """Release the socket."""
+        self._socket.close()
+
+    def _send(self, line: str) -> None:
+        with contextlib.suppress(OSError):
+            self._socket.sendto(line.encode(), self._target)
+
+    def count(self, name: str, value: float) -> None:
+        """``name:value|c``."""
+        self._send(f"{PREFIX}{name}:{value:g}|c")
+
+    def gauge(self, name: str, value: float) -> None:
+        """``name:value|g``."""
+        self._send(f"{PREFIX}{name}:{value:g}|g")
+
+    def observe(self, name: str, value: float) -> None:
+        """Timers in milliseconds: ``name:ms|ms``."""
+        self._send(f"{PREFIX}{name}:{value * 1000:.3f}|ms")
+
+
+class PrometheusSink:
+    """prometheus_client metrics in a registry (the default one unless given)."""
+
+    def __init__(self, registry: Any = None) -> None:
+        import prometheus_client as prom
+
+        self.registry = registry or prom.REGISTRY
+        self._metrics: dict[str, Any] = {}
+        self._prom = prom
+
+    def _get(self, kind: str, name: str) -> Any:
+        metric = self._metrics.get(name)
+        if metric is None:
+            factory = {
+                "counter": self._prom.Counter,
+                "gauge": self._prom.Gauge,
+                "histogram": self._prom.Histogram,
+            }[kind]
+            base = name.removesuffix("_total") if kind == "counter" else name
+            metric = factory(
+                PREFIX + base, f"celery-outbox {name}", registry=self.registry
+            )
+            self._metrics[name] = metric
+        return metric
+
+    def count(self, name: str, value: float) -> None:
+        """Increment a counter."""
+        self._get("counter", name).inc(value)
+
+    def gauge(self, name: str, value: float) -> None:
+        """Set a gauge."""
+        self._get("gauge", name).set(value)
+
+    def observe(self, name: str, value: float) -> None:
+        """Observe a histogram."""
+        self._get("histogram", name).observe(value)
+
+
+class RelayMetrics:
+    """A relay listener that turns events into metrics, and samples the backlog."""
+
+    def __init__(
+        self,
+        sink: Sink,
+        store: OutboxStore | None = None,
+        *,
+        sample_every: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sink = sink
+        self.store = store
+        self.sample_every = sample_every
+        self.clock = clock
+        self._sampled_at: float | None = None
+
+    def __call__(self, event: RelayEvent) -> None:
+        """Record one relay event."""
+        if isinstance(event, BreakerOpened):
+            self.sink.gauge("breaker_open", 1)
+            return
+        if not isinstance(event, BatchSettled):
+            return
+        outcomes = [r.outcome for r in event.results]
+        published = outcomes.count(Outcome.PUBLISHED)
+        self.sink.count("published_total", published)
+        self.sink.count("failed_total", len(event.settlement.retry))
+        self.sink.count("dead_lettered_total", len(event.settlement.dead_letter))
+        self.sink.count("outages_total", outcomes.count(Outcome.OUTAGE))
+        if published:
+            self.sink.gauge("breaker_open", 0)
+        self.sink.observe("batch_duration_seconds", event.seconds)
+        self.sink.observe("publish_seconds", event.publish_seconds)
+        published_ids = set(event.settlement.delete)
+        for message in event.messages:
+            if message.id in published_ids and message.age_seconds is not None:
+                self.sink.observe(
+                    "commit_to_publish_seconds",
+                    message.age_seconds + event.publish_seconds,
+                )
+        self._maybe_sample()
+
+    def sample(self) -> Stats | None:
+        """Query the backlog now and set the gauges."""
+        if self.store is None:
+            return None
+        try:
+            stats = self.store.stats()
+        except Exception as exc:  # a metrics sample must never stop the relay
+            logger.warning("backlog sample failed: %s", exc)
+            return None
+        self.sink.gauge("pending", stats.pending)
+        self.sink.gauge("due", stats.due)
+        self.sink.gauge("dead", stats.dead)
+        self.sink.gauge("oldest_pending_seconds", stats.oldest_pending_seconds or 0.0)
+        return stats
+
+    def _maybe_sample(self) -> None:
+        now = self.clock()
+        if self._sampled_at is None or now - self._sampled_at >= self.sample_every:
+            self._sampled_at = now
+            self.sample()

@@ -1,0 +1,193 @@
+"""Django signals and metrics, as subscribers of a real relay on a real database."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import prometheus_client
+import pytest
+from django.db import connection, transaction
+
+from celery_outbox import signals
+from celery_outbox.broker import InMemoryPublisher
+from celery_outbox.conf import OutboxSettings
+from celery_outbox.envelope import StoredMessage
+from celery_outbox.metrics import PrometheusSink, RelayMetrics, StatsdSink
+from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.relay.config import RelayConfig
+from celery_outbox.relay.core import Outcome, PublishResult
+from celery_outbox.relay.loop import Relay
+from celery_outbox.store import OutboxStore
+from tests.project.shop.models import Order
+from tests.project.shop.tasks import record
+
+from .builders import envelope
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SETTINGS = OutboxSettings(
+    max_attempts=2, retry_base_seconds=30.0, retry_max_seconds=60.0
+)
+
+
+def refuse(prefix: str) -> Any:
+    def behaviour(message: StoredMessage) -> PublishResult | None:
+        if message.envelope.task_id.startswith(prefix):
+            return PublishResult(
+                message.id, Outcome.FAILED, "NotFound: no exchange 'x'"
+            )
+        return None
+
+    return behaviour
+
+
+@pytest.fixture
+def received() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    calls: list[tuple[str, dict[str, Any]]] = []
+    receivers = {}
+    for name in ("message_published", "message_failed", "message_dead_lettered"):
+
+        def receiver(sender: Any, name: str = name, **kwargs: Any) -> None:
+            calls.append((name, kwargs))
+
+        receivers[name] = receiver
+        getattr(signals, name).connect(receiver)
+    yield calls
+    for name, receiver in receivers.items():
+        getattr(signals, name).disconnect(receiver)
+
+
+def test_relay_signals_follow_each_outcome(
+    received: list[tuple[str, dict[str, Any]]],
+) -> None:
+    store = OutboxStore("default")
+    with transaction.atomic():
+        store.insert([envelope("good"), envelope("bad")])
+    OutboxMessage.objects.filter(task_id__startswith="bad").update(attempts=0)
+    relay = Relay(
+        store,
+        InMemoryPublisher(refuse("bad")),
+        RelayConfig.from_settings(SETTINGS),
+        listeners=[signals.send_relay_signals],
+    )
+    relay.run_once()
+    kinds = {name: kwargs for name, kwargs in received}
+    assert kinds["message_published"]["task_id"].startswith("good")
+    assert kinds["message_published"]["attempts"] == 1
+    assert kinds["message_failed"]["task_id"].startswith("bad")
+    assert kinds["message_failed"]["error"] == "NotFound: no exchange 'x'"
+    assert kinds["message_failed"]["retry_in"] >= 15.0
+    OutboxMessage.objects.update(available_at=OutboxMessage.objects.get().created_at)
+    relay.run_once()
+    dead = [kwargs for name, kwargs in received if name == "message_dead_lettered"]
+    assert len(dead) == 1
+    assert dead[0]["attempts"] == 2
+
+
+def test_a_receiver_with_a_database_error_cannot_undo_the_settlement() -> None:
+    def broken(sender: Any, **kwargs: Any) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM no_such_table")
+
+    signals.message_published.connect(broken)
+    try:
+        with transaction.atomic():
+            OutboxStore("default").insert([envelope("a"), envelope("b")])
+        relay = Relay(
+            OutboxStore("default"),
+            InMemoryPublisher(),
+            RelayConfig.from_settings(SETTINGS),
+            listeners=[signals.send_relay_signals],
+        )
+        relay.run_once()
+    finally:
+        signals.message_published.disconnect(broken)
+    assert OutboxMessage.objects.count() == 0
+
+
+def test_a_failing_created_receiver_leaves_the_callers_transaction_intact() -> None:
+    seen: list[str] = []
+
+    def broken(sender: Any, task_id: str, **kwargs: Any) -> None:
+        seen.append(task_id)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM no_such_table")
+
+    signals.message_created.connect(broken)
+    try:
+        with transaction.atomic():
+            Order.objects.create(number="1")
+            result = record.delay("created")
+            Order.objects.create(number="2")  # the transaction is still usable
+    finally:
+        signals.message_created.disconnect(broken)
+    assert seen == [result.id]
+    assert Order.objects.count() == 2
+    assert list(OutboxMessage.objects.values_list("task_id", flat=True)) == [result.id]
+
+
+def run_batch_with(listener: RelayMetrics) -> None:
+    with transaction.atomic():
+        OutboxStore("default").insert([envelope("m1"), envelope("m2"), envelope("bad")])
+    Relay(
+        OutboxStore("default"),
+        InMemoryPublisher(refuse("bad")),
+        RelayConfig.from_settings(SETTINGS),
+        listeners=[listener],
+    ).run_once()
+
+
+def test_prometheus_metrics() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    run_batch_with(RelayMetrics(PrometheusSink(registry), OutboxStore("default")))
+    value = registry.get_sample_value
+    assert value("celery_outbox_published_total") == 2
+    assert value("celery_outbox_failed_total") == 1
+    assert value("celery_outbox_dead_lettered_total") == 0
+    assert value("celery_outbox_batch_duration_seconds_count") == 1
+    assert value("celery_outbox_commit_to_publish_seconds_count") == 2
+    assert value("celery_outbox_pending") == 1  # the refused row waits for its retry
+    assert value("celery_outbox_due") == 0
+
+
+def test_statsd_metrics_over_udp() -> None:
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(2.0)
+    try:
+        port = server.getsockname()[1]
+        sink = StatsdSink(f"127.0.0.1:{port}")
+        run_batch_with(RelayMetrics(sink, OutboxStore("default")))
+        sink.close()
+        lines = set()
+        while True:
+            try:
+                lines.add(server.recv(1024).decode())
+            except TimeoutError:
+                break
+            if "celery_outbox_pending:1|g" in lines:
+                break
+    finally:
+        server.close()
+    assert "celery_outbox_published_total:2|c" in lines
+    assert "celery_outbox_failed_total:1|c" in lines
+    assert any(line.startswith("celery_outbox_publish_seconds:") for line in lines)
+
+
+def test_dead_letter_count_is_exposed() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    sink = PrometheusSink(registry)
+    with transaction.atomic():
+        OutboxStore("default").insert([envelope("bad")])
+    OutboxMessage.objects.update(attempts=1)
+    Relay(
+        OutboxStore("default"),
+        InMemoryPublisher(refuse("bad")),
+        RelayConfig.from_settings(SETTINGS),
+        listeners=[RelayMetrics(sink, OutboxStore("default"))],
+    ).run_once()
+    assert registry.get_sample_value("celery_outbox_dead_lettered_total") == 1
+    assert registry.get_sample_value("celery_outbox_dead") == 1
+    assert DeadLetter.objects.count() == 1
