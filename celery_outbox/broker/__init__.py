@@ -7,7 +7,7 @@ for every other transport. :class:`InMemoryPublisher` is the fake for tests.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..conf import OutboxSettings
 from .base import Budget, FixedBudget, Publisher, describe, is_outage
@@ -65,3 +65,14 @@ def build_publisher(app: Any, settings: OutboxSettings) -> Publisher:
         )
 
     return KombuPublisher(connect, resolve_queue)
+
+
+if TYPE_CHECKING:  # every publisher implements the interface; mypy checks it here
+    from .amqp import AmqpPublisher
+    from .kombu import KombuPublisher
+
+    _conforms: tuple[type[Publisher], ...] = (
+        AmqpPublisher,
+        KombuPublisher,
+        InMemoryPublisher,
+    )

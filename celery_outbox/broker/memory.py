@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from ..envelope import Envelope, StoredMessage
 from ..relay.core import Outcome, PublishResult
+from .base import Budget
 
 
 class InMemoryPublisher:
@@ -25,12 +26,15 @@ class InMemoryPublisher:
         self._lock = threading.Lock()
 
     def publish(
-        self, messages: Sequence[StoredMessage], deadline: float
+        self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
         """Record each message unless ``down`` or ``behaviour`` says otherwise."""
         results: list[PublishResult] = []
         with self._lock:
             for message in messages:
+                if not budget.keep_going():
+                    results.append(PublishResult(message.id, Outcome.NOT_SENT))
+                    continue
                 if self.down:
                     results.append(
                         PublishResult(
