@@ -138,3 +138,43 @@ def test_stop_ends_an_idle_wait_at_once(alias: str) -> None:
     thread.join(5)
     assert result == [StopReason.SIGNAL]
     assert time.monotonic() - started < 1.0
+
+
+def test_stop_mid_batch_hands_back_unsent_rows_at_once(alias: str) -> None:
+    enqueue(alias, *[f"s{i}" for i in range(10)])
+    relays: list[Relay] = []
+
+    def stop_after_three(message: StoredMessage) -> PublishResult | None:
+        if len(publisher.published) == 2:
+            relays[0].stop()  # as SIGTERM would, while the batch is being published
+        return None
+
+    publisher = InMemoryPublisher(stop_after_three)
+    relays.append(relay_for(alias, publisher, batch_size=10))
+    relays[0].run_once()
+    assert len(publisher.published) == 3
+    # The other seven were never started: no lease left on them, due now.
+    rows = OutboxMessage.objects.using(alias)
+    assert rows.count() == 7
+    assert not rows.filter(lease_token__isnull=False).exists()
+    successor = InMemoryPublisher()
+    assert relay_for(alias, successor, until_empty=True).run() is StopReason.EMPTY
+    assert len(successor.published) == 7
+
+
+def test_a_slow_batch_keeps_its_lease(alias: str) -> None:
+    enqueue(alias, "slow-1", "slow-2")
+    store = OutboxStore(alias)
+    stolen: list[int] = []
+
+    def slow(message: StoredMessage) -> PublishResult | None:
+        time.sleep(0.7)  # longer than the lease below: the relay must renew it
+        stolen.extend(m.id for m in store.claim(10, 30).messages)
+        return None
+
+    relay = relay_for(
+        alias, InMemoryPublisher(slow), lease_seconds=1.0, send_timeout=0.5
+    )
+    relay.run_once()
+    assert stolen == []
+    assert OutboxMessage.objects.using(alias).count() == 0
