@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from celery import Celery
@@ -36,7 +36,8 @@ class OutboxCelery(Celery):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._outbox_enqueuer = Enqueuer()
+        self._outbox_enqueuer = Enqueuer(on_commit=self._publish_after_commit)
+        self._outbox_commit_publisher: Any = None
         _instances.add(self)
 
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
@@ -75,6 +76,13 @@ class OutboxCelery(Celery):
             buffer.discard()
             raise
         buffer.flush()
+
+    def _publish_after_commit(self, alias: str, task_ids: Sequence[str]) -> None:
+        if self._outbox_commit_publisher is None:
+            from .relay.oncommit import CommitPublisher
+
+            self._outbox_commit_publisher = CommitPublisher(self)
+        self._outbox_commit_publisher.schedule(alias, task_ids)
 
     def _capturing_producer(self, *, buffered: bool) -> CapturingProducer:
         conf = self.conf

@@ -50,6 +50,7 @@ class OutboxSettings:
     send_timeout: float = 10.0
     confirm_publish: bool = True
     notify: bool = True
+    publish_on_commit: bool = False
     statsd_address: str | None = None
     #: Seconds a dead letter is kept before ``purge_dead_letters`` deletes it; None keeps it.
     dead_letter_retention: float | None = None
@@ -73,6 +74,7 @@ _FIELDS = {
     "SEND_TIMEOUT": "send_timeout",
     "CONFIRM_PUBLISH": "confirm_publish",
     "NOTIFY": "notify",
+    "PUBLISH_ON_COMMIT": "publish_on_commit",
     "STATSD_ADDRESS": "statsd_address",
     "DEAD_LETTER_RETENTION": "dead_letter_retention",
     "REDACTOR": "redactor",
@@ -150,7 +152,12 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
             values[field] = _retention(name, value)
         elif field == "exclude_tasks":
             values[field] = _str_tuple(name, value)
-        elif field in {"direct_from_worker", "confirm_publish", "notify"}:
+        elif field in {
+            "direct_from_worker",
+            "confirm_publish",
+            "notify",
+            "publish_on_commit",
+        }:
             if not isinstance(value, bool):
                 raise OutboxConfigurationError(
                     f"{PREFIX}{name} must be True or False, got {value!r}."

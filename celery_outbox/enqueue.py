@@ -294,9 +294,13 @@ NOTIFY_COALESCE_SECONDS = 0.005
 class Enqueuer:
     """Writes captured messages through the store, with the transaction checks."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, on_commit: Callable[[str, Sequence[str]], None] | None = None
+    ) -> None:
+        """``on_commit(alias, task_ids)`` is called for each write when publish-on-commit is on."""
         self.guard = TransactionGuard()
         self._last_notify = -1.0
+        self._on_commit = on_commit
 
     def write(self, envelopes: Sequence[Envelope]) -> None:
         """Insert messages on the outbox alias, in the caller's transaction, in one INSERT."""
@@ -311,3 +315,5 @@ class Enqueuer:
                 self._last_notify, notify = now, True
         OutboxStore(alias).insert(envelopes, notify=notify)
         send_created(envelopes, alias)
+        if settings.publish_on_commit and self._on_commit is not None:
+            self._on_commit(alias, [e.task_id for e in envelopes])

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from ..broker import Publisher, describe
 from ..exceptions import OutboxDatabaseError
-from ..store import OutboxStore, SettleReport
+from ..store import Claim, OutboxStore, SettleReport
 from .config import RelayConfig
 from .core import Breaker, PublishResult, Settlement, decide
 from .events import (
@@ -137,10 +137,18 @@ class Relay:
         except OutboxDatabaseError as exc:
             self._database_failed("claim", exc)
             return Cycle.PAUSED
+        if not self.process(claim, started):
+            return Cycle.EMPTY
+        full = len(claim.messages) >= self.config.batch_size
+        return Cycle.FULL if full else Cycle.PARTIAL
+
+    def process(self, claim: Claim, started: float | None = None) -> int:
+        """Publish, decide and settle claimed rows; returns how many were claimed."""
+        started = self.clock() if started is None else started
         if claim.unreadable:
             self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
         if not claim.messages:
-            return Cycle.EMPTY
+            return 0
         budget = _BatchBudget(
             self, claim.token, [m.id for m in claim.messages], started
         )
@@ -164,8 +172,7 @@ class Relay:
                 publish_seconds,
             )
             emit(self.listeners, event)
-        full = len(claim.messages) >= self.config.batch_size
-        return Cycle.FULL if full else Cycle.PARTIAL
+        return len(claim.messages)
 
     # -- internals -------------------------------------------------------------
 

@@ -63,15 +63,23 @@ class Dialect:
         raise NotImplementedError
 
     def claim(
-        self, cursor: Any, limit: int, lease_seconds: float, token: str
+        self,
+        cursor: Any,
+        limit: int,
+        lease_seconds: float,
+        token: str,
+        task_ids: Sequence[str] = (),
     ) -> list[Sequence[Any]]:
-        """Lease up to ``limit`` due rows to ``token`` and return them (CLAIM_COLUMNS)."""
+        """Lease up to ``limit`` due rows to ``token`` and return them (CLAIM_COLUMNS).
+
+        With ``task_ids``, only rows of those tasks are considered.
+        """
         after_sql, after_params = self.after(lease_seconds)
         columns = self.claim_columns()
         cursor.execute(
             f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, available_at = {after_sql} "
-            f"WHERE id IN ({self._due_ids_sql()}) RETURNING {columns}",
-            [token, *after_params, limit],
+            f"WHERE id IN ({self._due_ids_sql(task_ids)}) RETURNING {columns}",
+            [token, *after_params, *task_ids, limit],
         )
         return list(cursor.fetchall())
 
@@ -79,9 +87,15 @@ class Dialect:
         """CLAIM_COLUMNS, then the row's age in seconds (for commit-to-publish latency)."""
         return ", ".join(CLAIM_COLUMNS) + f", {self.age_seconds('created_at')}"
 
-    def _due_ids_sql(self) -> str:
+    def _due_where(self, task_ids: Sequence[str]) -> str:
+        where = f"available_at <= {self.now()}"
+        if task_ids:
+            where += f" AND task_id IN ({placeholders(task_ids)})"
+        return where
+
+    def _due_ids_sql(self, task_ids: Sequence[str] = ()) -> str:
         return (
-            f"SELECT id FROM {MESSAGE_TABLE} WHERE available_at <= {self.now()} "
+            f"SELECT id FROM {MESSAGE_TABLE} WHERE {self._due_where(task_ids)} "
             f"ORDER BY available_at, id LIMIT %s"
         )
 
@@ -105,8 +119,8 @@ class PostgresDialect(Dialect):
     def age_seconds(self, column: str) -> str:
         return f"EXTRACT(EPOCH FROM now() - {column})"
 
-    def _due_ids_sql(self) -> str:
-        return super()._due_ids_sql() + " FOR UPDATE SKIP LOCKED"
+    def _due_ids_sql(self, task_ids: Sequence[str] = ()) -> str:
+        return super()._due_ids_sql(task_ids) + " FOR UPDATE SKIP LOCKED"
 
 
 class MySQLDialect(Dialect):
@@ -126,15 +140,20 @@ class MySQLDialect(Dialect):
         return f"TIMESTAMPDIFF(MICROSECOND, {column}, UTC_TIMESTAMP(6)) / 1000000.0"
 
     def claim(
-        self, cursor: Any, limit: int, lease_seconds: float, token: str
+        self,
+        cursor: Any,
+        limit: int,
+        lease_seconds: float,
+        token: str,
+        task_ids: Sequence[str] = (),
     ) -> list[Sequence[Any]]:
         # The caller holds a transaction: the locks of SELECT ... FOR UPDATE last
         # until the UPDATE below has stamped the lease.
         columns = self.claim_columns()
         cursor.execute(
-            f"SELECT {columns} FROM {MESSAGE_TABLE} WHERE available_at <= {self.now()} "
+            f"SELECT {columns} FROM {MESSAGE_TABLE} WHERE {self._due_where(task_ids)} "
             f"ORDER BY available_at, id LIMIT %s FOR UPDATE SKIP LOCKED",
-            [limit],
+            [*task_ids, limit],
         )
         rows = list(cursor.fetchall())
         if rows:

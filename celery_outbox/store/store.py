@@ -171,6 +171,8 @@ class ReplayReport:
     replayed: int
     dry_run: bool
     by_task: Mapping[str, int] = field(default_factory=dict)
+    #: Ids of the dead letters that were replayed (and deleted).
+    ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,15 +232,20 @@ class OutboxStore:
 
     # -- relay -----------------------------------------------------------------
 
-    def claim(self, limit: int, lease_seconds: float) -> Claim:
-        """Lease up to ``limit`` due rows, oldest first, skipping rows other relays hold."""
+    def claim(
+        self, limit: int, lease_seconds: float, *, task_ids: Sequence[str] = ()
+    ) -> Claim:
+        """Lease up to ``limit`` due rows, oldest first, skipping rows other relays hold.
+
+        ``task_ids`` restricts the claim to those tasks' rows (publish-on-commit).
+        """
         token = uuid.uuid4().hex
         with (
             self._translated(),
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            rows = self.dialect.claim(cursor, limit, lease_seconds, token)
+            rows = self.dialect.claim(cursor, limit, lease_seconds, token, task_ids)
         messages: list[StoredMessage] = []
         unreadable: list[Decision] = []
         for row in sorted(rows, key=lambda r: int(r[0])):
@@ -500,6 +507,7 @@ class OutboxStore:
         columns = ", ".join(MESSAGE_COLUMNS)
         now = self.dialect.now()
         replayed: dict[str, int] = {}
+        replayed_ids: list[int] = []
         done = 0
         last = 0
         while True:
@@ -538,9 +546,12 @@ class OutboxStore:
             for _, name in locked:
                 replayed[str(name)] = replayed.get(str(name), 0) + 1
             done += len(held)
+            replayed_ids.extend(held)
             if progress is not None:
                 progress(done, total)
-        return ReplayReport(total, done, False, dict(sorted(replayed.items())))
+        return ReplayReport(
+            total, done, False, dict(sorted(replayed.items())), tuple(replayed_ids)
+        )
 
     def purge_dead_letters(
         self,
