@@ -108,6 +108,7 @@ class Relay:
     def run(self) -> StopReason:
         """Relay until stopped (or, with ``until_empty``, until nothing is due)."""
         with self.store.relay_lock():
+            logger.info("relay started (database %r)", self.store.alias)
             while not self._stopping:
                 self._touch_liveness()
                 cycle = self.run_once()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 from typing import Any
@@ -21,7 +20,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(
-            dest="subcommand", required=True, metavar="{relay,stats}"
+            dest="subcommand",
+            required=True,
+            metavar="{relay,health,stats,replay,purge}",
         )
         kwargs: dict[str, Any] = {"called_from_command_line": True}
         relay = sub.add_parser(
@@ -56,7 +57,7 @@ class Command(BaseCommand):
             **kwargs,
         )
         stats = sub.add_parser("stats", help="Print the outbox backlog.", **kwargs)
-        stats.add_argument("--format", choices=["text", "json"], default="text")
+        _add_operator_arguments(sub, stats, kwargs)
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -64,6 +65,8 @@ class Command(BaseCommand):
                 "relay": self._relay,
                 "stats": self._stats,
                 "health": self._health,
+                "replay": self._replay,
+                "purge": self._purge,
             }
             handler[options["subcommand"]](options)
         except OutboxError as exc:
@@ -99,7 +102,6 @@ class Command(BaseCommand):
             for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
-            logger.info("relay started (database %r)", relay.store.alias)
             reason = relay.run()
             logger.info("relay stopped: %s", reason.value)
         finally:
@@ -133,22 +135,115 @@ class Command(BaseCommand):
         self.stdout.write(f"ok: database {alias!r} and broker {broker} reachable")
 
     def _stats(self, options: dict[str, Any]) -> None:
-        from ...enqueue import outbox_alias
-        from ...store import OutboxStore
+        from ...operations import StatsRequest, watch
 
-        stats = OutboxStore(outbox_alias(get_settings())).stats()
-        if options["format"] == "json":
-            self.stdout.write(json.dumps(stats.as_dict()))
-            return
-        oldest = stats.oldest_pending_seconds
-        lines = [
-            f"pending   {stats.pending}",
-            f"due       {stats.due}",
-            f"in flight {stats.in_flight}",
-            f"dead      {stats.dead}",
-            f"oldest    {'-' if oldest is None else f'{oldest:.1f} s'}",
-        ]
-        self.stdout.write("\n".join(lines))
+        request = StatsRequest(
+            format=options["format"],
+            top=options["top"],
+            interval=options["watch"],
+            iterations=options["iterations"],
+        )
+        watch(_store(), request, self.stdout.write)
+
+    def _replay(self, options: dict[str, Any]) -> None:
+        from ...operations import ReplayRequest, replay
+
+        request = ReplayRequest.parse(
+            ids=options["ids"],
+            task=options["task"],
+            since=options["since"],
+            until=options["until"],
+            everything=options["all"],
+            dry_run=options["dry_run"],
+            chunk_size=options["chunk_size"],
+        )
+        self.stdout.write(replay(_store(), request, self.stderr))
+
+    def _purge(self, options: dict[str, Any]) -> None:
+        from ...operations import PurgeRequest, purge
+
+        request = PurgeRequest.parse(
+            older_than=options["older_than"],
+            retention=get_settings().dead_letter_retention,
+            task=options["task"],
+            dry_run=options["dry_run"],
+            chunk_size=options["chunk_size"],
+        )
+        self.stdout.write(purge(_store(), request))
+
+
+def _store() -> Any:
+    from ...enqueue import outbox_alias
+    from ...store import OutboxStore
+
+    return OutboxStore(outbox_alias(get_settings()))
+
+
+def _add_operator_arguments(
+    sub: Any, stats: CommandParser, kwargs: dict[str, Any]
+) -> None:
+    """Arguments of ``stats``, ``replay`` and ``purge``."""
+    stats.add_argument(
+        "--format", choices=["text", "json", "prometheus"], default="text"
+    )
+    stats.add_argument(
+        "--top",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="Also list the N task names that fail most (retrying and dead).",
+    )
+    stats.add_argument(
+        "--watch",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="Print again every SECONDS until Ctrl-C.",
+    )
+    stats.add_argument(
+        "--iterations", type=_positive(int), default=None, help=argparse.SUPPRESS
+    )
+    replay = sub.add_parser(
+        "replay",
+        help="Put dead letters back into the outbox (same message, attempts reset, due now).",
+        **kwargs,
+    )
+    replay.add_argument(
+        "ids", nargs="*", help="Dead-letter ids (the admin shows them)."
+    )
+    replay.add_argument(
+        "--task", default=None, metavar="GLOB", help="Task name or glob."
+    )
+    replay.add_argument(
+        "--since",
+        default=None,
+        help="Died at or after: ISO datetime or 2h, 30m, 7d ago.",
+    )
+    replay.add_argument(
+        "--until", default=None, help="Died before: ISO datetime or 2h, 30m, 7d ago."
+    )
+    replay.add_argument(
+        "--all", action="store_true", help="Replay every dead letter (no filter)."
+    )
+    replay.add_argument(
+        "--dry-run", action="store_true", help="Only say what would happen."
+    )
+    replay.add_argument("--chunk-size", type=_positive(int), default=500)
+    purge = sub.add_parser(
+        "purge", help="Delete old dead letters, in chunks.", **kwargs
+    )
+    purge.add_argument(
+        "--older-than",
+        default=None,
+        metavar="DURATION",
+        help="Dead for longer than this (7d, 12h, seconds); default: "
+        "CELERY_OUTBOX_DEAD_LETTER_RETENTION.",
+    )
+    purge.add_argument(
+        "--task", default=None, metavar="GLOB", help="Task name or glob."
+    )
+    purge.add_argument("--dry-run", action="store_true", help="Only count.")
+    purge.add_argument("--chunk-size", type=_positive(int), default=1000)
 
 
 def _positive(kind: type) -> Any:
