@@ -10,5 +10,4 @@ if __name__ == "__main__":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.project.settings")
     from django.core.management import execute_from_command_line
 
-
     execute_from_command_line(sys.argv)

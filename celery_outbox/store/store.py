@@ -780,6 +780,21 @@ def _message_values(envelope: Envelope) -> list[Any]:
     ]
 
 
+#: Decoded ``declare_queues`` texts: nearly every row of a batch holds the same one.
+_DECLARE_CACHE: dict[str, tuple[str, ...]] = {}
+
+
+def _declare_queues(text: str) -> tuple[str, ...]:
+    """``tuple(load_json(text))``, remembered (the result is immutable)."""
+    found = _DECLARE_CACHE.get(text)
+    if found is None:
+        found = tuple(load_json(text))
+        if len(_DECLARE_CACHE) >= 256:
+            _DECLARE_CACHE.clear()
+        _DECLARE_CACHE[text] = found
+    return found
+
+
 def _stored_message(row: Sequence[Any]) -> StoredMessage:
     *columns, age = row
     values = dict(zip(("id", "attempts", *MESSAGE_COLUMNS), columns, strict=True))
@@ -794,7 +809,7 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         content_encoding=values["content_encoding"],
         headers=load_json(values["headers"]),
         properties=load_json(values["properties"]),
-        declare=tuple(load_json(values["declare_queues"])),
+        declare=_declare_queues(values["declare_queues"]),
         queue=values["queue"],
         arguments_preview=values["arguments_preview"],
         ordering_key=values["ordering_key"],

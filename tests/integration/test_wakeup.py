@@ -25,9 +25,15 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def idle_relay() -> Iterator[tuple[Relay, InMemoryPublisher]]:
     """A relay that would poll only every 30 s, running in a thread."""
     publisher = InMemoryPublisher()
-    config = RelayConfig.from_settings(OutboxSettings(poll_interval=30.0), min_poll_interval=30.0)
+    config = RelayConfig.from_settings(
+        OutboxSettings(poll_interval=30.0), min_poll_interval=30.0
+    )
     relay = Relay(
-        OutboxStore("default"), publisher, config, listeners=(), wakeup=PgNotifyListener("default")
+        OutboxStore("default"),
+        publisher,
+        config,
+        listeners=(),
+        wakeup=PgNotifyListener("default"),
     )
 
     def run() -> None:

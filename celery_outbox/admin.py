@@ -1,0 +1,356 @@
+"""Django admin for the outbox and the dead letters: read-only views, operator actions.
+
+The changelists read through the default queryset (on the outbox alias); every
+action and the summary go through :class:`~celery_outbox.store.OutboxStore`. Each
+action writes Django's admin log and reports what it did. Arguments are decoded
+from the stored body and passed through ``CELERY_OUTBOX_REDACTOR`` before display.
+"""
+
+from __future__ import annotations
+
+import pprint
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any, cast
+
+from django.contrib import admin, messages
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from .conf import get_settings
+from .decoding import decode_arguments
+from .envelope import load_json
+from .models import DeadLetter, MessageFields, OutboxMessage
+from .redaction import redact_arguments
+from .store import DeadLetterFilter, OutboxStore
+
+#: Headers that repeat the arguments; the decoded (and redacted) arguments replace them.
+ARGUMENT_HEADERS = frozenset({"argsrepr", "kwargsrepr"})
+
+ERROR_PREVIEW = 80
+
+
+def outbox_store() -> OutboxStore:
+    """The store on the outbox alias."""
+    from .enqueue import outbox_alias
+
+    return OutboxStore(outbox_alias(get_settings()))
+
+
+def message_state(
+    lease_token: str | None, available_at: datetime, attempts: int, now: datetime
+) -> str:
+    """``due``, ``in flight``, ``waiting for retry`` or ``waiting`` (put back after an outage)."""
+    if available_at <= now:
+        return "due"
+    if lease_token:
+        return "in flight"
+    if attempts > 0:
+        return "waiting for retry"
+    return "waiting"
+
+
+def format_age(seconds: float | None) -> str:
+    """A short human age: ``-``, ``42 s``, ``3.5 min``, ``2.0 h``, ``1.5 d``."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+class StateFilter(admin.SimpleListFilter):
+    """Filter outbox rows by where they are in their life."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        """The states an operator can pick."""
+        return [
+            ("due", "due"),
+            ("in_flight", "in flight"),
+            ("retry", "waiting for retry"),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        """Narrow the changelist to the picked state."""
+        now = timezone.now()
+        value = self.value()
+        if value == "due":
+            return cast("QuerySet[Any]", queryset.filter(available_at__lte=now))
+        if value == "in_flight":
+            return cast(
+                "QuerySet[Any]",
+                queryset.filter(lease_token__isnull=False, available_at__gt=now),
+            )
+        if value == "retry":
+            return cast(
+                "QuerySet[Any]",
+                queryset.filter(
+                    lease_token__isnull=True, attempts__gt=0, available_at__gt=now
+                ),
+            )
+        return queryset
+
+
+class MessageAdminMixin:
+    """Read-only display shared by the outbox and dead-letter admins."""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        """Rows on the outbox alias."""
+        from .enqueue import outbox_alias
+
+        queryset: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
+        return cast("QuerySet[Any]", queryset.using(outbox_alias(get_settings())))
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Rows are written by the enqueue path only."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Fields are never edited; operators use the actions."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """No ORM deletes: actions go through the store."""
+        return False
+
+    @admin.display(description="last error")
+    def short_error(self, obj: MessageFields) -> str:
+        """The last error, cut to one line."""
+        text = obj.last_error.strip().splitlines()[0] if obj.last_error.strip() else ""
+        if len(text) > ERROR_PREVIEW:
+            return text[: ERROR_PREVIEW - 1] + "…"
+        return text
+
+    @admin.display(description="arguments")
+    def arguments(self, obj: MessageFields) -> SafeString:
+        """The task's arguments, decoded from the stored body and redacted."""
+        headers = _headers(obj)
+        decoded = decode_arguments(
+            bytes(obj.body), obj.content_type, obj.content_encoding, headers
+        )
+        if decoded.error:
+            return format_html("<em>{}</em>", decoded.error)
+        args, kwargs = redact_arguments(obj.task_name, decoded.args, decoded.kwargs)
+        return format_html(
+            "<pre>args   = {}\nkwargs = {}</pre>",
+            pprint.pformat(args, width=100),
+            pprint.pformat(kwargs, width=100),
+        )
+
+    @admin.display(description="headers")
+    def shown_headers(self, obj: MessageFields) -> SafeString:
+        """Message headers, without the argument representations."""
+        headers = {
+            key: value
+            for key, value in _headers(obj).items()
+            if key not in ARGUMENT_HEADERS
+        }
+        return format_html("<pre>{}</pre>", pprint.pformat(headers, width=100))
+
+    def _log_changed(
+        self, request: HttpRequest, objects: Iterable[Model], message: str
+    ) -> None:
+        for obj in objects:
+            self.log_change(request, obj, message)  # type: ignore[attr-defined]
+
+
+def _headers(obj: MessageFields) -> dict[str, Any]:
+    try:
+        loaded = load_json(obj.headers)
+    except ValueError:
+        return {}
+    return dict(loaded) if isinstance(loaded, dict) else {}
+
+
+def _picked(queryset: QuerySet[Any]) -> dict[int, Any]:
+    """The selected rows by id (without their bodies), for the admin log."""
+    return {int(obj.pk): obj for obj in queryset.defer("body")}
+
+
+def _of(objects: dict[int, Any], ids: Sequence[int]) -> list[Any]:
+    return [objects[i] for i in ids if i in objects]
+
+
+_MESSAGE_FIELDS = (
+    "task_name",
+    "task_id",
+    "queue",
+    "exchange",
+    "routing_key",
+    "arguments",
+    "attempts",
+    "last_error",
+    "created_at",
+)
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type-arg]
+    """Waiting messages: read-only, with a summary and "retry now" / "move to dead letters"."""
+
+    change_list_template = "admin/celery_outbox/outboxmessage/change_list.html"
+    list_display = (
+        "task_name",
+        "task_id",
+        "queue",
+        "attempts",
+        "created_at",
+        "available_at",
+        "state",
+        "short_error",
+    )
+    list_filter = (StateFilter, "queue", "task_name")
+    search_fields = ("task_id", "task_name")
+    ordering = ("id",)
+    fields = (
+        *_MESSAGE_FIELDS,
+        "state",
+        "available_at",
+        "lease_token",
+        "content_type",
+        "content_encoding",
+        "shown_headers",
+    )
+    readonly_fields = fields
+    actions = ("retry_now", "move_to_dead_letters")
+
+    @admin.display(description="state")
+    def state(self, obj: OutboxMessage) -> str:
+        """Due, in flight, waiting for retry (or waiting after a broker outage)."""
+        return message_state(
+            obj.lease_token, obj.available_at, obj.attempts, timezone.now()
+        )
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """Actions need the change permission on outbox messages."""
+        return bool(request.user.has_perm("celery_outbox.change_outboxmessage"))
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The changelist with the outbox summary on top."""
+        summary = outbox_store().summary()
+        context = {
+            "outbox_summary": summary,
+            "outbox_oldest": format_age(summary.oldest_pending_seconds),
+            "outbox_backlog": [
+                (group, format_age(group.oldest_seconds)) for group in summary.backlog
+            ],
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, context)
+
+    @admin.action(description="Retry now", permissions=("operate",))
+    def retry_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Make the selected rows due now (rows a relay holds are skipped)."""
+        picked = _picked(queryset)
+        changed = outbox_store().retry_now(list(picked))
+        self._log_changed(request, _of(picked, changed), "Made due now (retry now).")
+        skipped = len(picked) - len(changed)
+        self.message_user(
+            request,
+            f"{len(changed)} message(s) will be published at once"
+            + (f"; {skipped} skipped (held by a relay)." if skipped else "."),
+            messages.SUCCESS if changed else messages.WARNING,
+        )
+
+    @admin.action(description="Move to dead letters", permissions=("operate",))
+    def move_to_dead_letters(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> None:
+        """Stop publishing the selected rows: move them to the dead letters."""
+        picked = _picked(queryset)
+        reason = f"moved by {request.user.get_username()} from the admin"
+        moved = outbox_store().move_to_dead_letters(list(picked), reason)
+        self._log_changed(
+            request, _of(picked, moved), f"Moved to dead letters: {reason}."
+        )
+        skipped = len(picked) - len(moved)
+        self.message_user(
+            request,
+            f"{len(moved)} message(s) moved to the dead letters"
+            + (f"; {skipped} skipped (held by a relay)." if skipped else "."),
+            messages.SUCCESS if moved else messages.WARNING,
+        )
+
+
+@admin.register(DeadLetter)
+class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type-arg]
+    """Messages that used up their attempts: read-only, with "replay" and "delete"."""
+
+    list_display = (
+        "id",
+        "task_name",
+        "task_id",
+        "queue",
+        "attempts",
+        "created_at",
+        "dead_at",
+        "short_error",
+    )
+    list_filter = ("task_name", "queue", "dead_at")
+    search_fields = ("task_id", "task_name")
+    ordering = ("-dead_at", "-id")
+    fields = (
+        "original_id",
+        *_MESSAGE_FIELDS,
+        "dead_at",
+        "content_type",
+        "content_encoding",
+        "shown_headers",
+    )
+    readonly_fields = fields
+    actions = ("replay", "delete_dead_letters")
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """Replaying needs the change permission on dead letters."""
+        return bool(request.user.has_perm("celery_outbox.change_deadletter"))
+
+    def has_remove_permission(self, request: HttpRequest) -> bool:
+        """Deleting needs the delete permission on dead letters."""
+        return bool(request.user.has_perm("celery_outbox.delete_deadletter"))
+
+    @admin.action(description="Replay", permissions=("operate",))
+    def replay(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Put the selected dead letters back into the outbox, due now."""
+        picked = _picked(queryset)
+        report = outbox_store().replay_dead_letters(DeadLetterFilter(ids=tuple(picked)))
+        self._log_changed(
+            request,
+            _of(picked, report.ids),
+            "Replayed into the outbox (same message, attempts reset).",
+        )
+        self.message_user(
+            request,
+            f"{report.replayed} dead letter(s) replayed into the outbox.",
+            messages.SUCCESS if report.replayed else messages.WARNING,
+        )
+
+    @admin.action(description="Delete", permissions=("remove",))
+    def delete_dead_letters(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> None:
+        """Delete the selected dead letters for good."""
+        picked = _picked(queryset)
+        deleted = outbox_store().delete_dead_letters(list(picked))
+        gone = _of(picked, deleted)
+        if gone and hasattr(admin.ModelAdmin, "log_deletions"):  # Django >= 5.1
+            self.log_deletions(request, gone)  # type: ignore[arg-type]
+        else:  # pragma: no cover - Django < 5.1
+            for obj in gone:
+                getattr(self, "log_deletion")(request, obj, str(obj))  # noqa: B009
+        self.message_user(
+            request,
+            f"{len(gone)} dead letter(s) deleted.",
+            messages.SUCCESS if gone else messages.WARNING,
+        )

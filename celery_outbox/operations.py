@@ -1,0 +1,363 @@
+"""What ``outbox stats``, ``outbox replay`` and ``outbox purge`` do, apart from parsing.
+
+Each request object turns command-line text into checked values (raising
+:class:`~django.core.management.base.CommandError` naming the bad argument); the
+functions call the store and format its answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.core.management.base import CommandError, OutputWrapper
+
+from .durations import parse_duration, parse_moment
+from .store import DeadLetterFilter, OutboxStore, Summary, TopFailures
+
+#: Replays larger than this many dead letters draw a progress bar on stderr.
+PROGRESS_THRESHOLD = 1000
+
+
+# -- stats ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """``outbox stats`` options: output format, top-N failures, refresh interval."""
+
+    format: str = "text"
+    top: int | None = None
+    interval: float | None = None
+    #: Stop after this many refreshes (tests); None refreshes until Ctrl-C.
+    iterations: int | None = None
+
+
+def render_stats(store: OutboxStore, request: StatsRequest) -> str:
+    """One snapshot of the outbox in the requested format."""
+    summary = store.summary()
+    failures = store.top_failures(request.top) if request.top else None
+    if request.format == "json":
+        return json.dumps(_stats_dict(summary, failures))
+    if request.format == "prometheus":
+        return _prometheus(summary, failures)
+    return _text(summary, failures)
+
+
+def watch(
+    store: OutboxStore,
+    request: StatsRequest,
+    write: Callable[[str], Any],
+    sleep: Callable[[float], Any] = time.sleep,
+) -> None:
+    """Write a snapshot; with an interval, again every ``interval`` seconds until Ctrl-C."""
+    done = 0
+    try:
+        while True:
+            write(render_stats(store, request))
+            done += 1
+            if request.interval is None or (
+                request.iterations is not None and done >= request.iterations
+            ):
+                return
+            sleep(request.interval)
+    except KeyboardInterrupt:
+        return
+
+
+def _stats_dict(summary: Summary, failures: TopFailures | None) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "pending": summary.pending,
+        "due": summary.due,
+        "in_flight": summary.in_flight,
+        "dead": summary.dead,
+        "oldest_pending_seconds": summary.oldest_pending_seconds,
+        "waiting_retry": summary.waiting_retry,
+        "backlog": [
+            {
+                "task_name": group.task_name,
+                "queue": group.queue,
+                "pending": group.pending,
+                "due": group.due,
+                "oldest_seconds": group.oldest_seconds,
+            }
+            for group in summary.backlog
+        ],
+    }
+    if failures is not None:
+        result["top_failures"] = {
+            "retrying": [
+                {
+                    "task_name": task.task_name,
+                    "rows": task.rows,
+                    "attempts": task.attempts,
+                    "max_attempts": task.max_attempts,
+                }
+                for task in failures.retrying
+            ],
+            "dead": [
+                {"task_name": task.task_name, "dead": task.dead}
+                for task in failures.dead
+            ],
+        }
+    return result
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _text(summary: Summary, failures: TopFailures | None) -> str:
+    lines = [
+        f"pending   {summary.pending}",
+        f"due       {summary.due}",
+        f"retrying  {summary.waiting_retry}",
+        f"in flight {summary.in_flight}",
+        f"dead      {summary.dead}",
+        f"oldest    {_seconds(summary.oldest_pending_seconds)}",
+    ]
+    if summary.backlog:
+        lines += ["", "backlog by task and queue (pending, due, oldest):"]
+        lines += [
+            f"  {g.task_name} [{g.queue or '-'}]  {g.pending}  {g.due}  "
+            f"{_seconds(g.oldest_seconds)}"
+            for g in summary.backlog
+        ]
+    if failures is not None:
+        lines += ["", "failing in the outbox (rows, attempts, most attempts):"]
+        lines += [
+            f"  {t.task_name}  {t.rows}  {t.attempts}  {t.max_attempts}"
+            for t in failures.retrying
+        ] or ["  none"]
+        lines += ["dead letters by task:"]
+        lines += [f"  {t.task_name}  {t.dead}" for t in failures.dead] or ["  none"]
+    return "\n".join(lines)
+
+
+def _label(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def _prometheus(summary: Summary, failures: TopFailures | None) -> str:
+    lines: list[str] = []
+
+    def gauge(name: str, help_text: str, samples: Sequence[tuple[str, Any]]) -> None:
+        lines.append(f"# HELP celery_outbox_{name} {help_text}")
+        lines.append(f"# TYPE celery_outbox_{name} gauge")
+        for labels, value in samples:
+            shown = "NaN" if value is None else value
+            lines.append(f"celery_outbox_{name}{labels} {shown}")
+
+    gauge("pending", "Rows waiting in the outbox.", [("", summary.pending)])
+    gauge("due", "Rows a relay may claim now.", [("", summary.due)])
+    gauge(
+        "waiting_retry",
+        "Refused rows waiting for their next attempt.",
+        [("", summary.waiting_retry)],
+    )
+    gauge("in_flight", "Rows leased to a relay.", [("", summary.in_flight)])
+    gauge("dead", "Dead letters.", [("", summary.dead)])
+    gauge(
+        "oldest_pending_seconds",
+        "Age of the oldest waiting row.",
+        [("", summary.oldest_pending_seconds)],
+    )
+    gauge(
+        "backlog",
+        "Waiting rows by task name and queue (largest groups).",
+        [
+            (f"{{task_name={_label(g.task_name)},queue={_label(g.queue)}}}", g.pending)
+            for g in summary.backlog
+        ],
+    )
+    if failures is not None:
+        gauge(
+            "retrying_by_task",
+            "Refused rows still in the outbox, by task name (top N).",
+            [
+                (f"{{task_name={_label(t.task_name)}}}", t.rows)
+                for t in failures.retrying
+            ],
+        )
+        gauge(
+            "dead_by_task",
+            "Dead letters by task name (top N).",
+            [(f"{{task_name={_label(t.task_name)}}}", t.dead) for t in failures.dead],
+        )
+    return "\n".join(lines)
+
+
+# -- replay ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """Which dead letters ``outbox replay`` puts back, and how."""
+
+    selection: DeadLetterFilter
+    dry_run: bool = False
+    chunk_size: int = 500
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        ids: Sequence[str],
+        task: str | None,
+        since: str | None,
+        until: str | None,
+        everything: bool,
+        dry_run: bool,
+        chunk_size: int,
+        now: datetime | None = None,
+    ) -> ReplayRequest:
+        """Check the command-line values; raises CommandError naming the bad one."""
+        numbers: list[int] = []
+        for text in ids:
+            if not text.isdigit() or int(text) <= 0:
+                raise CommandError(
+                    f"replay: dead-letter ids are positive integers, got {text!r}"
+                )
+            numbers.append(int(text))
+        if task is not None and not task.strip():
+            raise CommandError("replay: --task needs a task name or glob")
+        start = _moment("--since", since, now)
+        end = _moment("--until", until, now)
+        if start is not None and end is not None and start >= end:
+            raise CommandError(
+                f"replay: --since ({start.isoformat()}) must be before --until "
+                f"({end.isoformat()})"
+            )
+        selection = DeadLetterFilter(tuple(numbers), task, start, end)
+        if selection.is_empty and not everything:
+            raise CommandError(
+                "replay: say which dead letters to replay: ids, --task GLOB, "
+                "--since/--until, or --all for every one"
+            )
+        if everything and not selection.is_empty:
+            raise CommandError("replay: --all cannot be combined with ids or filters")
+        return cls(selection, dry_run, chunk_size)
+
+
+def _moment(flag: str, text: str | None, now: datetime | None) -> datetime | None:
+    if text is None:
+        return None
+    try:
+        return parse_moment(text, now)
+    except ValueError as exc:
+        raise CommandError(f"{flag}: {exc}") from None
+
+
+def replay(store: OutboxStore, request: ReplayRequest, stderr: OutputWrapper) -> str:
+    """Run a replay (drawing a progress bar on ``stderr`` when large); returns a summary."""
+    bar = _ProgressBar(stderr, request.chunk_size)
+    report = store.replay_dead_letters(
+        request.selection,
+        dry_run=request.dry_run,
+        chunk_size=request.chunk_size,
+        progress=bar.update,
+    )
+    bar.finish()
+    breakdown = _breakdown(report.by_task)
+    if report.dry_run:
+        return f"would replay {report.matched} dead letter(s){breakdown} (dry run)"
+    if not report.matched:
+        return "no dead letter matched; nothing replayed"
+    return f"replayed {report.replayed} dead letter(s) into the outbox{breakdown}"
+
+
+def _breakdown(by_task: Mapping[str, int]) -> str:
+    if not by_task:
+        return ""
+    return ": " + ", ".join(f"{name} {count}" for name, count in by_task.items())
+
+
+class _ProgressBar:
+    """``replaying [#####-----] 500/1000`` redrawn in place; only for large replays."""
+
+    width = 30
+
+    def __init__(self, stream: OutputWrapper, chunk_size: int) -> None:
+        self.stream = stream
+        self.threshold = min(PROGRESS_THRESHOLD, chunk_size)
+        self.drawn = False
+
+    def update(self, done: int, total: int) -> None:
+        if total <= self.threshold:
+            return
+        filled = self.width * done // total
+        bar = "#" * filled + "-" * (self.width - filled)
+        self.stream.write(f"\rreplaying [{bar}] {done}/{total}", ending="")
+        self.stream.flush()
+        self.drawn = True
+
+    def finish(self) -> None:
+        if self.drawn:
+            self.stream.write("")
+
+
+# -- purge -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PurgeRequest:
+    """Which dead letters ``outbox purge`` deletes."""
+
+    older_than: float
+    task: str | None = None
+    dry_run: bool = False
+    chunk_size: int = 1000
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        older_than: str | None,
+        retention: float | None,
+        task: str | None,
+        dry_run: bool,
+        chunk_size: int,
+    ) -> PurgeRequest:
+        """``--older-than`` wins; else the retention setting; else refuse."""
+        if older_than is None:
+            if retention is None:
+                raise CommandError(
+                    "purge: give --older-than (e.g. 7d) or set "
+                    "CELERY_OUTBOX_DEAD_LETTER_RETENTION"
+                )
+            seconds = retention
+        else:
+            try:
+                seconds = parse_duration(older_than)
+            except ValueError as exc:
+                raise CommandError(f"--older-than: {exc}") from None
+        if task is not None and not task.strip():
+            raise CommandError("purge: --task needs a task name or glob")
+        return cls(seconds, task, dry_run, chunk_size)
+
+
+def purge(store: OutboxStore, request: PurgeRequest) -> str:
+    """Run a purge; returns a one-line summary."""
+    report = store.purge_dead_letters(
+        request.older_than,
+        task=request.task,
+        dry_run=request.dry_run,
+        chunk_size=request.chunk_size,
+    )
+    scope = f" of {request.task}" if request.task else ""
+    age = f"older than {_duration_text(request.older_than)}"
+    if report.dry_run:
+        return f"would delete {report.matched} dead letter(s){scope} {age} (dry run)"
+    return f"deleted {report.deleted} dead letter(s){scope} {age}"
+
+
+def _duration_text(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"

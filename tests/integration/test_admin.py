@@ -1,0 +1,214 @@
+"""The admin pages, rendered by Django's test client on real rows (outbox on ``default``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.db import transaction
+from django.test import Client, override_settings
+from kombu.compression import compress
+
+from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.store import OutboxStore
+
+from .builders import envelope
+
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
+
+OUTBOX = "/admin/celery_outbox/outboxmessage/"
+DEAD = "/admin/celery_outbox/deadletter/"
+
+
+@pytest.fixture
+def store() -> OutboxStore:
+    return OutboxStore("default")
+
+
+def add(store: OutboxStore, *tags: str, **overrides: object) -> list[int]:
+    envelopes = [envelope(tag, **overrides) for tag in tags]
+    with transaction.atomic(using=store.alias):
+        store.insert(envelopes)
+    return [
+        OutboxMessage.objects.using("default").get(task_id=e.task_id).id
+        for e in envelopes
+    ]
+
+
+def secret_body(**overrides: object) -> dict[str, object]:
+    body = json.dumps([["alice"], {"password": "hunter2"}, {}]).encode()
+    return {"body": body, **overrides}
+
+
+def kill_all(store: OutboxStore) -> list[int]:
+    claim = store.claim(100, 30)
+    store.settle(
+        claim.token,
+        Settlement(
+            dead_letter=tuple(
+                Decision(m.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: too big")
+                for m in claim.messages
+            )
+        ),
+    )
+    return list(DeadLetter.objects.using("default").values_list("id", flat=True))
+
+
+def logged(flag: int) -> list[str]:
+    return list(
+        LogEntry.objects.filter(action_flag=flag).values_list(
+            "change_message", flat=True
+        )
+    )
+
+
+def test_changelist_shows_the_summary(admin_client: Client, store: OutboxStore) -> None:
+    add(store, "a", "b")
+    add(store, "c", task_name="shop.add", queue="other")
+    claim = store.claim(1, 30)
+    store.settle(
+        claim.token,
+        Settlement(
+            retry=(Decision(claim.messages[0].id, Action.RETRY, 600, "NotFound: q"),)
+        ),
+    )
+
+    page = admin_client.get(OUTBOX)
+
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'id="outbox-pending">3<' in html
+    assert 'id="outbox-due">2<' in html
+    assert 'id="outbox-waiting-retry">1<' in html
+    assert 'id="outbox-in-flight">0<' in html
+    assert "<td>shop.add</td><td>other</td><td>1</td><td>1</td>" in html
+    assert "<td>shop.record</td><td>celery</td><td>2</td><td>1</td>" in html
+    assert "waiting for retry" in html  # the state column
+    assert "NotFound: q" in html
+    filtered = admin_client.get(OUTBOX, {"state": "retry"}).content.decode()
+    assert "1 outbox message" in filtered
+
+
+def test_the_admin_is_read_only(admin_client: Client, store: OutboxStore) -> None:
+    (row,) = add(store, "a")
+    assert admin_client.get(f"{OUTBOX}add/").status_code == 403
+    page = admin_client.get(f"{OUTBOX}{row}/change/").content.decode()
+    assert 'name="_save"' not in page
+    assert admin_client.get(f"{OUTBOX}{row}/delete/").status_code == 403
+
+
+def test_detail_shows_decoded_arguments(
+    admin_client: Client, store: OutboxStore
+) -> None:
+    (plain,) = add(store, "plain", **secret_body())
+    data, codec = compress(secret_body()["body"], "zlib")
+    (compressed,) = add(
+        store,
+        "zipped",
+        body=data,
+        headers={"task": "shop.record", "compression": codec, "argsrepr": "x"},
+    )
+
+    for row in (plain, compressed):
+        html = admin_client.get(f"{OUTBOX}{row}/change/").content.decode()
+        assert "alice" in html
+        assert "hunter2" in html
+
+
+@override_settings(CELERY_OUTBOX_REDACTOR="tests.integration.redactors.hide_passwords")
+def test_detail_redacts_arguments(admin_client: Client, store: OutboxStore) -> None:
+    add(
+        store,
+        "secret",
+        headers={"task": "shop.record", "kwargsrepr": "{'password': 'hunter2'}"},
+        **secret_body(),
+    )
+    kill_all(store)
+    (dead,) = DeadLetter.objects.using("default").values_list("id", flat=True)
+
+    html = admin_client.get(f"{DEAD}{dead}/change/").content.decode()
+
+    assert "alice" in html
+    assert "***" in html
+    assert "hunter2" not in html
+    assert "PreconditionFailed: too big" in html
+
+
+@override_settings(CELERY_OUTBOX_REDACTOR="tests.integration.redactors.broken")
+def test_a_failing_redactor_hides_everything(
+    admin_client: Client, store: OutboxStore
+) -> None:
+    (row,) = add(store, "secret", **secret_body())
+    html = admin_client.get(f"{OUTBOX}{row}/change/").content.decode()
+    assert "alice" not in html
+    assert "hunter2" not in html
+    assert "the redactor raised an error" in html
+
+
+def test_action_retry_now(admin_client: Client, store: OutboxStore) -> None:
+    (row,) = add(store, "a")
+    claim = store.claim(1, 30)
+    store.settle(
+        claim.token, Settlement(retry=(Decision(row, Action.RETRY, 600, "NotFound"),))
+    )
+    assert store.stats().due == 0
+
+    page = admin_client.post(
+        OUTBOX, {"action": "retry_now", "_selected_action": [row]}, follow=True
+    )
+
+    assert "1 message(s) will be published at once." in page.content.decode()
+    assert store.stats().due == 1
+    assert logged(CHANGE) == ["Made due now (retry now)."]
+
+
+def test_action_move_to_dead_letters(admin_client: Client, store: OutboxStore) -> None:
+    leased, free = add(store, "leased", "free")
+    assert [m.id for m in store.claim(1, 30).messages] == [leased]
+
+    page = admin_client.post(
+        OUTBOX,
+        {"action": "move_to_dead_letters", "_selected_action": [free, leased]},
+        follow=True,
+    )
+
+    html = page.content.decode()
+    assert (
+        "1 message(s) moved to the dead letters; 1 skipped (held by a relay)." in html
+    )
+    dead = DeadLetter.objects.using("default").get()
+    assert (dead.original_id, dead.last_error) == (
+        free,
+        "moved by admin from the admin",
+    )
+    assert logged(CHANGE) == ["Moved to dead letters: moved by admin from the admin."]
+    entry = LogEntry.objects.get()
+    assert entry.object_id == str(free)
+
+
+def test_dead_letter_actions_replay_and_delete(
+    admin_client: Client, store: OutboxStore
+) -> None:
+    add(store, "again", "gone")
+    first, second = sorted(kill_all(store))
+    replayed_task = DeadLetter.objects.using("default").get(id=first).task_id
+
+    page = admin_client.post(
+        DEAD, {"action": "replay", "_selected_action": [first]}, follow=True
+    )
+    assert "1 dead letter(s) replayed into the outbox." in page.content.decode()
+    assert [m.envelope.task_id for m in store.claim(10, 30).messages] == [replayed_task]
+    assert logged(CHANGE) == [
+        "Replayed into the outbox (same message, attempts reset)."
+    ]
+
+    page = admin_client.post(
+        DEAD,
+        {"action": "delete_dead_letters", "_selected_action": [second]},
+        follow=True,
+    )
+    assert "1 dead letter(s) deleted." in page.content.decode()
+    assert store.stats().dead == 0
+    assert LogEntry.objects.filter(action_flag=DELETION, object_id=str(second)).exists()

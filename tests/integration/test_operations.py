@@ -1,0 +1,450 @@
+"""Operator methods of the store (summary, retry, dead letters), on every database."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import transaction
+from django.test import override_settings
+
+from celery_outbox.durations import parse_duration, parse_moment
+from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.store import DeadLetterFilter, OutboxStore
+from celery_outbox.tasks import purge_dead_letters
+
+from .builders import envelope
+
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
+
+
+def add(store: OutboxStore, *tags: str, **overrides: object) -> list[str]:
+    """Commit one row per tag; returns their task ids."""
+    envelopes = [envelope(tag, **overrides) for tag in tags]
+    with transaction.atomic(using=store.alias):
+        store.insert(envelopes)
+    return [e.task_id for e in envelopes]
+
+
+def row_id(store: OutboxStore, task_id: str) -> int:
+    return int(
+        OutboxMessage.objects.using(store.alias)
+        .values_list("id", flat=True)
+        .get(task_id=task_id)
+    )
+
+
+def fail_once(store: OutboxStore, delay: float = 600.0) -> int:
+    """Claim the oldest due row and refuse it once: it waits ``delay`` for its retry."""
+    claim = store.claim(1, 30)
+    row = claim.messages[0]
+    store.settle(
+        claim.token,
+        Settlement(retry=(Decision(row.id, Action.RETRY, delay, "NotFound: q"),)),
+    )
+    return row.id
+
+
+def kill(store: OutboxStore, *tags: str, task_name: str = "shop.record") -> list[str]:
+    """Commit rows and dead-letter them the way the relay does; returns their task ids.
+
+    The relay claims the oldest due rows: call this before adding rows that must stay.
+    """
+    ids = add(
+        store,
+        *tags,
+        task_name=task_name,
+        headers={"task": task_name, "compression": None},
+    )
+    claim = store.claim(len(tags), 30)
+    store.settle(
+        claim.token,
+        Settlement(
+            dead_letter=tuple(
+                Decision(m.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: big")
+                for m in claim.messages
+            )
+        ),
+    )
+    return ids
+
+
+def dead_id(alias: str, task_id: str) -> int:
+    return int(
+        DeadLetter.objects.using(alias)
+        .values_list("id", flat=True)
+        .get(task_id=task_id)
+    )
+
+
+def age_dead_letters(alias: str, days: float, *task_ids: str) -> None:
+    """Pretend these dead letters died ``days`` ago."""
+    DeadLetter.objects.using(alias).filter(task_id__in=task_ids).update(
+        dead_at=datetime.now(timezone.utc) - timedelta(days=days)
+    )
+
+
+def test_summary_splits_the_backlog(alias: str) -> None:
+    store = OutboxStore(alias)
+    kill(store, "d")
+    add(store, "a", "b")
+    add(store, "c", task_name="shop.add", queue="other")
+    fail_once(store)  # a: waiting for its retry
+    assert len(store.claim(1, 30).messages) == 1  # b: leased, in flight; c is due
+
+    summary = store.summary()
+
+    assert (
+        summary.pending,
+        summary.due,
+        summary.waiting_retry,
+        summary.in_flight,
+        summary.dead,
+    ) == (3, 1, 1, 1, 1)
+    assert summary.oldest_pending_seconds is not None
+    assert summary.oldest_pending_seconds >= 0
+    groups = [(g.task_name, g.queue, g.pending, g.due) for g in summary.backlog]
+    assert groups == [("shop.record", "celery", 2, 0), ("shop.add", "other", 1, 1)]
+    assert all(g.oldest_seconds is not None for g in summary.backlog)
+
+
+def test_summary_of_an_empty_outbox(alias: str) -> None:
+    summary = OutboxStore(alias).summary()
+    assert (summary.pending, summary.dead, summary.backlog) == (0, 0, ())
+    assert summary.oldest_pending_seconds is None
+
+
+def test_top_failures_rank_task_names(alias: str) -> None:
+    store = OutboxStore(alias)
+    add(store, "a", "b")
+    fail_once(store)
+    fail_once(store)
+    kill(store, "x", "y", task_name="shop.add")
+    kill(store, "z", task_name="shop.flaky")
+
+    top = store.top_failures(limit=5)
+
+    assert [
+        (t.task_name, t.rows, t.attempts, t.max_attempts) for t in top.retrying
+    ] == [("shop.record", 2, 2, 1)]
+    assert [(t.task_name, t.dead) for t in top.dead] == [
+        ("shop.add", 2),
+        ("shop.flaky", 1),
+    ]
+    assert [t.task_name for t in store.top_failures(limit=1).dead] == ["shop.add"]
+
+
+def test_retry_now_makes_rows_due_but_leaves_leased_rows_alone(alias: str) -> None:
+    store = OutboxStore(alias)
+    add(store, "waiting", "leased")
+    waiting = fail_once(store)
+    leased = store.claim(1, 30).messages[0].id
+    assert store.claim(10, 30).messages == ()
+
+    assert store.retry_now([waiting, leased, 999_999]) == [waiting]
+
+    again = store.claim(10, 30).messages
+    assert [(m.id, m.attempts) for m in again] == [(waiting, 1)]
+    assert store.summary().due == 0  # both are leased now
+
+
+def test_move_to_dead_letters_keeps_the_message_and_the_reason(alias: str) -> None:
+    store = OutboxStore(alias)
+    leased_task, free_task = add(store, "leased", "free")
+    leased, free = row_id(store, leased_task), row_id(store, free_task)
+    assert [m.id for m in store.claim(1, 30).messages] == [leased]
+
+    moved = store.move_to_dead_letters([free, leased], "moved by ada from the admin")
+
+    assert moved == [free]
+    dead = DeadLetter.objects.using(alias).get()
+    assert (dead.task_id, dead.original_id, dead.last_error, dead.attempts) == (
+        free_task,
+        free,
+        "moved by ada from the admin",
+        0,
+    )
+    assert bytes(dead.body) == envelope("free").body
+    assert store.stats().pending == 1
+    assert store.stats().in_flight == 1
+
+
+def test_replay_by_id_puts_the_same_message_back_due_now(alias: str) -> None:
+    store = OutboxStore(alias)
+    (task_id,) = kill(store, "poison")
+    other = kill(store, "other")
+    before = DeadLetter.objects.using(alias).get(task_id=task_id)
+
+    report = store.replay_dead_letters(DeadLetterFilter(ids=(dead_id(alias, task_id),)))
+
+    assert (report.matched, report.replayed, report.dry_run) == (1, 1, False)
+    assert dict(report.by_task) == {"shop.record": 1}
+    assert (
+        list(DeadLetter.objects.using(alias).values_list("task_id", flat=True)) == other
+    )
+    (message,) = store.claim(10, 30).messages
+    assert message.attempts == 0
+    assert message.envelope.task_id == task_id
+    assert message.envelope.body == bytes(before.body)
+    assert message.envelope.headers["task"] == "shop.record"
+
+
+def test_replay_dry_run_changes_nothing(alias: str) -> None:
+    store = OutboxStore(alias)
+    kill(store, "a", "b", task_name="billing.charge")
+    kill(store, "c", task_name="shop.add")
+
+    report = store.replay_dead_letters(DeadLetterFilter(task="billing.*"), dry_run=True)
+
+    assert (report.matched, report.replayed, report.dry_run) == (2, 0, True)
+    assert dict(report.by_task) == {"billing.charge": 2}
+    assert store.stats().dead == 3
+    assert store.stats().pending == 0
+
+
+def test_replay_by_glob_and_time_window(alias: str) -> None:
+    store = OutboxStore(alias)
+    old = kill(store, "old", task_name="billing.charge")
+    recent = kill(store, "recent", task_name="billing.refund")
+    kill(store, "elsewhere", task_name="shop.add")
+    age_dead_letters(alias, 3, *old)
+    now = datetime.now(timezone.utc)
+
+    in_window = store.replay_dead_letters(
+        DeadLetterFilter(task="billing.*", since=now - timedelta(hours=1))
+    )
+    assert (in_window.replayed, dict(in_window.by_task)) == (1, {"billing.refund": 1})
+    assert [m.envelope.task_id for m in store.claim(10, 30).messages] == recent
+
+    older = store.replay_dead_letters(
+        DeadLetterFilter(until=now - timedelta(days=1), since=now - timedelta(days=4))
+    )
+    assert older.replayed == 1
+    assert [m.envelope.task_id for m in store.claim(10, 30).messages] == old
+    assert store.replay_dead_letters(DeadLetterFilter(task="nothing.*")).matched == 0
+    assert store.stats().dead == 1
+
+
+def test_replay_in_chunks_reports_progress(alias: str) -> None:
+    store = OutboxStore(alias)
+    task_ids = kill(store, "a", "b", "c", "d", "e")
+    seen: list[tuple[int, int]] = []
+
+    report = store.replay_dead_letters(
+        DeadLetterFilter(),
+        chunk_size=2,
+        progress=lambda done, total: seen.append((done, total)),
+    )
+
+    assert report.replayed == 5
+    assert seen == [(2, 5), (4, 5), (5, 5)]
+    assert sorted(m.envelope.task_id for m in store.claim(10, 30).messages) == sorted(
+        task_ids
+    )
+    assert store.stats().dead == 0
+
+
+def test_purge_deletes_old_dead_letters_in_chunks(alias: str) -> None:
+    store = OutboxStore(alias)
+    old = kill(store, "a", "b", "c", task_name="billing.charge")
+    old_other = kill(store, "d", task_name="shop.add")
+    kill(store, "fresh", task_name="billing.charge")
+    age_dead_letters(alias, 10, *old, *old_other)
+
+    dry = store.purge_dead_letters(7 * 86400, dry_run=True)
+    assert (dry.matched, dry.deleted, dry.dry_run) == (4, 0, True)
+    assert store.stats().dead == 5
+
+    only_billing = store.purge_dead_letters(7 * 86400, task="billing.*", chunk_size=2)
+    assert (only_billing.matched, only_billing.deleted) == (3, 3)
+    assert sorted(
+        DeadLetter.objects.using(alias).values_list("task_name", flat=True)
+    ) == ["billing.charge", "shop.add"]
+    assert store.purge_dead_letters(7 * 86400).deleted == 1
+    assert store.purge_dead_letters(7 * 86400).deleted == 0
+    assert store.stats().dead == 1
+
+
+def test_delete_dead_letters(alias: str) -> None:
+    store = OutboxStore(alias)
+    first, second = kill(store, "a", "b")
+    target = dead_id(alias, first)
+    assert store.delete_dead_letters([target, 999_999]) == [target]
+    assert list(DeadLetter.objects.using(alias).values_list("task_id", flat=True)) == [
+        second
+    ]
+
+
+def test_the_retention_task_applies_the_setting(alias: str) -> None:
+    store = OutboxStore(alias)
+    old = kill(store, "old")
+    kill(store, "fresh")
+    age_dead_letters(alias, 40, *old)
+    with override_settings(CELERY_OUTBOX_DATABASE=alias):
+        assert purge_dead_letters.apply().get() == {
+            "deleted": 0,
+            "retention_seconds": None,
+        }
+        assert store.stats().dead == 2
+        with override_settings(CELERY_OUTBOX_DEAD_LETTER_RETENTION="30d"):
+            assert purge_dead_letters.apply().get() == {
+                "deleted": 1,
+                "retention_seconds": 30 * 86400.0,
+            }
+    assert store.stats().dead == 1
+
+
+# -- the commands ----------------------------------------------------------------
+
+
+@pytest.fixture
+def on_alias(alias: str) -> Iterator[str]:
+    """Point the outbox (and so the commands) at each database in turn."""
+    with override_settings(CELERY_OUTBOX_DATABASE=alias):
+        yield alias
+
+
+def outbox(*args: str) -> tuple[str, str]:
+    """Run ``manage.py outbox ...``; returns (stdout, stderr)."""
+    out, err = StringIO(), StringIO()
+    call_command("outbox", *args, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def test_durations_and_moments() -> None:
+    assert parse_duration("90") == 90.0
+    assert parse_duration("30m") == 1800.0
+    assert parse_duration("2h") == 7200.0
+    assert parse_duration("7d") == 7 * 86400.0
+    assert parse_duration(45) == 45.0
+    for bad in ("", "7 days", "-3h", "0", "h"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    now = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+    assert parse_moment("2h", now) == datetime(2024, 5, 1, 10, 0, tzinfo=timezone.utc)
+    assert parse_moment("2024-04-30T08:00:00", now) == datetime(
+        2024, 4, 30, 8, 0, tzinfo=timezone.utc
+    )
+    with pytest.raises(ValueError, match="neither an ISO datetime"):
+        parse_moment("yesterday", now)
+
+
+def test_stats_json_keeps_its_keys_and_adds_the_breakdown(on_alias: str) -> None:
+    store = OutboxStore(on_alias)
+    kill(store, "x", task_name="shop.add")
+    add(store, "a", "b")
+    fail_once(store)
+
+    data = json.loads(outbox("stats", "--format", "json", "--top", "3")[0])
+
+    assert {"pending", "due", "dead", "oldest_pending_seconds", "in_flight"} <= set(
+        data
+    )
+    assert (data["pending"], data["due"], data["dead"], data["waiting_retry"]) == (
+        2,
+        1,
+        1,
+        1,
+    )
+    assert data["backlog"][0]["task_name"] == "shop.record"
+    assert data["backlog"][0]["pending"] == 2
+    assert data["top_failures"]["retrying"][0]["task_name"] == "shop.record"
+    assert data["top_failures"]["dead"] == [{"task_name": "shop.add", "dead": 1}]
+
+
+def test_stats_text_and_prometheus(on_alias: str) -> None:
+    store = OutboxStore(on_alias)
+    kill(store, "x", task_name='odd"name')
+    add(store, "a")
+
+    text = outbox("stats", "--top", "2")[0]
+    assert "pending   1" in text
+    assert "dead      1" in text
+    assert 'odd"name  1' in text
+
+    prom = outbox("stats", "--format", "prometheus", "--top", "2")[0]
+    assert "# TYPE celery_outbox_pending gauge" in prom
+    assert "\ncelery_outbox_pending 1\n" in prom
+    assert "celery_outbox_dead 1" in prom
+    assert 'celery_outbox_backlog{task_name="shop.record",queue="celery"} 1' in prom
+    assert 'celery_outbox_dead_by_task{task_name="odd\\"name"} 1' in prom
+
+
+def test_stats_watch_refreshes(on_alias: str) -> None:
+    out = outbox("stats", "--format", "json", "--watch", "0.01", "--iterations", "3")[0]
+    assert [json.loads(line)["pending"] for line in out.splitlines()] == [0, 0, 0]
+
+
+def test_replay_command_dry_run_then_real(on_alias: str) -> None:
+    store = OutboxStore(on_alias)
+    kill(store, "a", "b", task_name="billing.charge")
+    kill(store, "c", task_name="shop.add")
+
+    out = outbox("replay", "--task", "billing.*", "--dry-run")[0]
+    assert out.strip() == "would replay 2 dead letter(s): billing.charge 2 (dry run)"
+    assert store.stats().dead == 3
+
+    out = outbox("replay", "--task", "billing.*", "--since", "1h")[0]
+    assert out.strip() == "replayed 2 dead letter(s) into the outbox: billing.charge 2"
+    assert (store.stats().dead, store.stats().pending) == (1, 2)
+
+
+def test_replay_command_by_id_with_a_progress_bar(on_alias: str) -> None:
+    store = OutboxStore(on_alias)
+    task_ids = kill(store, "a", "b", "c", "d", "e")
+    ids = [str(dead_id(on_alias, t)) for t in task_ids]
+
+    out, err = outbox("replay", *ids, "--chunk-size", "2")
+
+    assert "replayed 5 dead letter(s)" in out
+    assert "replaying [" in err
+    assert err.rstrip().endswith("5/5")
+    assert store.stats().pending == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("replay",), "say which dead letters to replay"),
+        (("replay", "abc"), "dead-letter ids are positive integers, got 'abc'"),
+        (("replay", "--since", "yesterday"), "--since: 'yesterday' is neither"),
+        (("replay", "--since", "1h", "--until", "2h"), "must be before --until"),
+        (("replay", "--all", "--task", "x"), "--all cannot be combined"),
+        (("purge",), "give --older-than"),
+        (("purge", "--older-than", "soon"), "--older-than: 'soon' is not a duration"),
+    ],
+)
+def test_bad_arguments_name_the_problem(args: tuple[str, ...], message: str) -> None:
+    with pytest.raises(CommandError, match=message.replace("(", r"\(")):
+        outbox(*args)
+
+
+def test_purge_command(on_alias: str) -> None:
+    store = OutboxStore(on_alias)
+    old = kill(store, "a", "b")
+    kill(store, "fresh")
+    age_dead_letters(on_alias, 10, *old)
+
+    out = outbox("purge", "--older-than", "7d", "--dry-run")[0]
+    assert out.strip() == "would delete 2 dead letter(s) older than 7d (dry run)"
+    assert outbox("purge", "--older-than", "7d", "--task", "other.*")[0].strip() == (
+        "deleted 0 dead letter(s) of other.* older than 7d"
+    )
+    assert outbox("purge", "--older-than", "7d", "--chunk-size", "1")[0].strip() == (
+        "deleted 2 dead letter(s) older than 7d"
+    )
+    assert store.stats().dead == 1
+    with override_settings(CELERY_OUTBOX_DEAD_LETTER_RETENTION=3600):
+        age_dead_letters(
+            on_alias,
+            1,
+            *DeadLetter.objects.using(on_alias).values_list("task_id", flat=True),
+        )
+        assert outbox("purge")[0].strip() == "deleted 1 dead letter(s) older than 1h"
+    assert store.stats().dead == 0
