@@ -61,6 +61,12 @@ POSTGRES = {
     "USER": os.environ.get("OUTBOX_PG_USER", "postgres"),
     "HOST": os.environ.get("OUTBOX_PG_HOST", "127.0.0.1"),
     "PORT": os.environ.get("OUTBOX_PG_PORT", "5432"),
+    # Lets a fault test find (and kill) one process's backends in pg_stat_activity.
+    "OPTIONS": {
+        "application_name": os.environ.get(
+            "OUTBOX_TEST_APP_NAME", "celery-outbox-tests"
+        )
+    },
 }
 MYSQL = {
     "ENGINE": "django.db.backends.mysql",
