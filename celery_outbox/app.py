@@ -92,6 +92,7 @@ class OutboxCelery(Celery):
             default_compression=conf.task_compression,
             sink=self._outbox_enqueuer.write,
             buffered=buffered,
+            event_exchange=conf.event_exchange,
         )
 
     def _route(self, name: str, task_id: str | None, settings: OutboxSettings) -> Route:

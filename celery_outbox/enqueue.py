@@ -142,6 +142,7 @@ class CapturingProducer:
         default_compression: str | None,
         sink: Callable[[Sequence[Envelope]], None],
         buffered: bool = False,
+        event_exchange: str | None = None,
     ) -> None:
         #: Celery wraps the publish in ``connection._reraise_as_library_errors()``;
         #: the connection is never opened by the enqueue path.
@@ -153,6 +154,9 @@ class CapturingProducer:
         self._sink = sink
         self._buffered = buffered
         self._pending: list[Envelope] = []
+        #: Celery's monitoring events (task_send_sent_event) are not stored: a
+        #: "task-sent" event at call time would announce a publish that has not happened.
+        self._event_exchange = event_exchange
 
     def flush(self) -> None:
         """Write what a buffered producer collected, in one INSERT."""
@@ -197,6 +201,8 @@ class CapturingProducer:
         ordering_key = properties.pop("ordering_key", None)
         headers = dict(headers or {})
         exchange_name, default_mode = _exchange_details(exchange)
+        if self._event_exchange and exchange_name == self._event_exchange:
+            return
         properties["delivery_mode"] = maybe_delivery_mode(delivery_mode or default_mode)
         if expiration is not None:
             properties["expiration"] = str(int(expiration * 1000))

@@ -67,6 +67,12 @@ class _Confirms:
         return bool(self.by_tag)
 
 
+def _about_declaration(exc: amqp_errors.AMQPError) -> bool:
+    """Whether a channel error answers an exchange or queue declaration (the probe's)."""
+    method = str(getattr(exc, "method_name", "") or "")
+    return method.startswith(("Exchange.", "Queue."))
+
+
 class AmqpPublisher:
     """Publishes over py-amqp with batched publisher confirms."""
 
@@ -238,7 +244,9 @@ class AmqpPublisher:
                 )
                 self._exchanges.add(envelope.exchange)
         except amqp_errors.ChannelError as exc:
-            if is_outage(exc):
+            if is_outage(exc) or not _about_declaration(exc):
+                # While we waited for the probe's answer the broker closed the
+                # publishing channel: that error belongs to the batch, not to this message.
                 raise
             self._probe = None
             return PublishResult(message.id, Outcome.FAILED, describe(exc))

@@ -485,14 +485,9 @@ CASES: list[Case] = [
         "task-send-sent-event",
         call((1,)),
         header("task", "fid.work"),
+        # The task-sent event is not stored (it would announce a publish that has not
+        # happened); the task message itself must be unchanged.
         conf=lambda n: {"task_send_sent_event": True},
-        known_bug=(
-            "Celery publishes the task-sent event through the producer it was given, so "
-            "the CapturingProducer stores it as a second outbox row (task_id ''); the "
-            "relay then publishes it mandatory to 'celeryev' without declaring that "
-            "exchange, and with no event consumer bound it is NO_ROUTE, retried and "
-            "finally dead-lettered, where plain Celery drops it silently."
-        ),
     ),
     Case(
         "ignore-result",
