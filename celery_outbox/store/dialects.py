@@ -93,6 +93,10 @@ class Dialect:
             where += f" AND task_id IN ({placeholders(task_ids)})"
         return where
 
+    def due_ids_sql(self) -> str:
+        """The claim's selection of due rows (what the index must serve), one ``%s``: limit."""
+        return self._due_ids_sql()
+
     def _due_ids_sql(self, task_ids: Sequence[str] = ()) -> str:
         return (
             f"SELECT id FROM {MESSAGE_TABLE} WHERE {self._due_where(task_ids)} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -333,6 +334,23 @@ class OutboxStore:
             yield
 
     # -- operators -------------------------------------------------------------
+
+    def explain_claim(self, limit: int = 500) -> str:
+        """The database's plan for the claim query, as text (to check index use)."""
+        dialect = self.dialect
+        query = dialect.due_ids_sql()
+        prefix = {
+            "postgresql": "EXPLAIN (FORMAT JSON) ",
+            "mysql": "EXPLAIN FORMAT=JSON ",
+            "sqlite": "EXPLAIN QUERY PLAN ",
+        }[dialect.vendor]
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(prefix + query, [limit])
+            rows = cursor.fetchall()
+        # psycopg hands back PostgreSQL's JSON plan already parsed: show it as JSON.
+        return "\n".join(
+            " ".join(c if isinstance(c, str) else json.dumps(c) for c in row) for row in rows
+        )
 
     def stats(self) -> Stats:
         """Counts of pending, due, in-flight and dead rows, and the oldest row's age."""
