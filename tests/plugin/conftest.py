@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 from django.conf import settings
 
-pytest_plugins = ["pytester"]
-
 #: Every database the plugin must work on, whatever OUTBOX_TEST_DB made the default.
 ALIASES = list(settings.DATABASES)
 
