@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from django.db import connections, transaction
@@ -178,3 +179,36 @@ def test_a_slow_batch_keeps_its_lease(alias: str) -> None:
     relay.run_once()
     assert stolen == []
     assert OutboxMessage.objects.using(alias).count() == 0
+
+
+@pytest.mark.parametrize("alias", ["default"])
+def test_the_liveness_file_is_touched_while_idle(alias: str, tmp_path: Path) -> None:
+    path = tmp_path / "alive"
+    relay = relay_for(
+        alias,
+        InMemoryPublisher(),
+        poll_interval=30.0,
+        liveness_file=str(path),
+        liveness_interval=0.2,
+    )
+
+    def run() -> None:
+        try:
+            relay.run()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = path.stat().st_mtime
+        time.sleep(1.6)
+        assert path.stat().st_mtime > first, (
+            "the idle relay stopped touching its liveness file"
+        )
+    finally:
+        relay.stop()
+        thread.join(5)
