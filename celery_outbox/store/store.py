@@ -349,7 +349,8 @@ class OutboxStore:
             rows = cursor.fetchall()
         # psycopg hands back PostgreSQL's JSON plan already parsed: show it as JSON.
         return "\n".join(
-            " ".join(c if isinstance(c, str) else json.dumps(c) for c in row) for row in rows
+            " ".join(c if isinstance(c, str) else json.dumps(c) for c in row)
+            for row in rows
         )
 
     def stats(self) -> Stats:
