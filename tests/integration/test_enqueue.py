@@ -193,3 +193,14 @@ def test_a_failed_group_call_writes_nothing() -> None:
     with transaction.atomic(), pytest.raises(OutboxSerializationError):
         group([record.s("fine"), record.s("bad", object())]).apply_async()
     assert rows() == []
+
+
+def test_an_ordering_key_is_stored_beside_the_message_not_in_it() -> None:
+    with transaction.atomic():
+        result = record.apply_async(("k",), ordering_key="customer-42")
+    [row] = rows()
+    assert row.task_id == result.id
+    assert row.ordering_key == "customer-42"
+    assert "customer-42" not in row.headers
+    assert "customer-42" not in row.properties
+    assert b"customer-42" not in bytes(row.body)
