@@ -1,0 +1,872 @@
+"""The benchmark driver: enqueue cost, drain rate, commit-to-queue latency, raw limits.
+
+Every figure is the median of several repeats (the machine is shared and noisy).
+Every loop is bounded by a count and a deadline; every service is on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import dataclasses
+import io
+import json
+import os
+import platform
+import pstats
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import env
+
+#: The repository root: subprocesses run from here so ``bench`` imports.
+ROOT = Path(__file__).resolve().parent.parent
+
+TARGET_OVERHEAD_PCT = 25.0
+TARGET_AMQP_RATE = 3_500.0
+TARGET_REDIS_RATE = 10_000.0
+TARGET_P50_MS = 10.0
+TARGET_P99_MS = 50.0
+
+
+class BenchError(RuntimeError):
+    """A measurement could not be trusted (lost messages, leftovers, timeouts)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each part does; ``--quick`` shrinks everything."""
+
+    enqueue_n: int
+    enqueue_repeats: int
+    drain_rows: int
+    drain_repeats: int
+    latency_seconds: float
+    raw_n: int
+    raw_repeats: int
+
+    @classmethod
+    def pick(cls, quick: bool) -> Sizes:
+        if quick:
+            return cls(300, 3, 4_000, 1, 4.0, 4_000, 1)
+        return cls(2_000, 5, 20_000, 3, 15.0, 20_000, 3)
+
+
+@dataclass
+class Report:
+    """Everything measured, printed as one table at the end."""
+
+    machine: list[tuple[str, str]] = field(default_factory=list)
+    enqueue: dict[str, float] = field(default_factory=dict)
+    enqueue_samples: dict[str, list[float]] = field(default_factory=dict)
+    drain: dict[tuple[str, int], float] = field(default_factory=dict)
+    drain_samples: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    latency: dict[int, dict[str, float]] = field(default_factory=dict)
+    raw: dict[str, float] = field(default_factory=dict)
+    raw_samples: dict[str, list[float]] = field(default_factory=dict)
+    sizes: Sizes | None = None
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def percentile(sorted_values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, min(len(sorted_values), round(pct / 100 * len(sorted_values) + 0.5)))
+    return float(sorted_values[rank - 1])
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    environ = dict(os.environ)
+    environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
+    environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), environ.get("PYTHONPATH", "")) if p
+    )
+    environ.update(extra)
+    return environ
+
+
+class Child:
+    """A subprocess whose stdout lines are collected by a thread."""
+
+    def __init__(self, args: list[str], environ: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=environ,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.on_line: Callable[[str], bool] | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            hook = self.on_line
+            if hook is not None and hook(line):
+                continue
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def expect(self, prefix: str, timeout: float) -> str:
+        """The next line starting with ``prefix``; fails on timeout or exit."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError(f"{self.proc.args!r}: no {prefix!r} in {timeout}s")
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise BenchError(
+                    f"{self.proc.args!r} exited ({self.proc.wait()}) before {prefix!r}"
+                )
+            if line.startswith(prefix):
+                return line
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self, timeout: float = 20.0, *, terminate: bool = False) -> None:
+        """Close stdin (or SIGTERM at once), then SIGTERM, then SIGKILL: this process only."""
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        first = self.proc.terminate if terminate else None
+        for action in (first, self.proc.terminate, self.proc.kill):
+            if action is not None and self.proc.poll() is None:
+                action()
+            try:
+                self.proc.wait(timeout=timeout)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._reader.join(timeout=5)
+
+
+# -- services ------------------------------------------------------------------
+
+
+class Brokers:
+    """Admin access to the run's RabbitMQ queue and Redis list: count, purge, delete."""
+
+    def __init__(self) -> None:
+        import redis
+        from django.conf import settings
+        from kombu import Connection
+
+        self.queue_entity = settings.CELERY_TASK_QUEUES[0]
+        self.amqp = Connection(env.AMQP_URL, connect_timeout=10)
+        self.amqp.ensure_connection(max_retries=3)
+        self.redis = redis.Redis.from_url(env.REDIS_URL, socket_timeout=30)
+
+    def amqp_declare(self) -> None:
+        self.queue_entity(self.amqp.default_channel).declare()
+
+    def amqp_count(self) -> int:
+        _, count, _ = self.amqp.default_channel.queue_declare(env.QUEUE, passive=True)
+        return int(count)
+
+    def amqp_purge(self) -> None:
+        self.amqp_declare()
+        self.amqp.default_channel.queue_purge(env.QUEUE)
+
+    def redis_count(self) -> int:
+        return int(self.redis.llen(env.QUEUE))
+
+    def redis_purge(self) -> None:
+        self.redis.delete(env.QUEUE)
+
+    def count(self, kind: str) -> int:
+        return self.amqp_count() if kind == "amqp" else self.redis_count()
+
+    def purge(self, kind: str) -> None:
+        self.amqp_purge() if kind == "amqp" else self.redis_purge()
+
+    def wait_count(self, kind: str, expected: int, timeout: float = 10.0) -> int:
+        """The queue length once it reaches ``expected`` (or the last one seen)."""
+        deadline = time.monotonic() + timeout
+        count = self.count(kind)
+        while count < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            count = self.count(kind)
+        return count
+
+    def cleanup(self) -> None:
+        """Delete the run's queue, exchange and Redis keys."""
+        with contextlib.suppress(Exception):
+            channel = self.amqp.default_channel
+            channel.queue_delete(env.QUEUE)
+            channel.exchange_delete(env.QUEUE)
+        with contextlib.suppress(Exception):
+            keys = list(self.redis.scan_iter(match=f"*{env.QUEUE}*", count=1000))
+            if keys:
+                self.redis.delete(*keys[:10_000])
+        with contextlib.suppress(Exception):
+            self.amqp.release()
+        with contextlib.suppress(Exception):
+            self.redis.close()
+
+
+def truncate() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "TRUNCATE celery_outbox_message, celery_outbox_deadletter, bench_benchorder"
+        )
+
+
+def outbox_count() -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT COUNT(*) FROM celery_outbox_message")
+        return int(cursor.fetchone()[0])
+
+
+def capture_envelopes(n: int) -> list[Any]:
+    """``n`` real outbox messages for ``bench.noop(i)``, built by the enqueue path.
+
+    Celery builds and serializes each message exactly as ``delay()`` would; the
+    capturing producer hands it to a list instead of the database, so tables can be
+    refilled quickly and identically for every drain.
+    """
+    from bench.celery import app
+    from celery_outbox.enqueue import CapturingProducer
+
+    collected: list[Any] = []
+    producer = CapturingProducer(
+        connection=app.connection_for_write(),
+        default_serializer=app.conf.task_serializer,
+        default_compression=app.conf.task_compression,
+        sink=collected.extend,
+    )
+    for number in range(n):
+        app.send_task(env.TASK_NAME, args=(number,), producer=producer)
+    if len(collected) != n:
+        raise BenchError(f"captured {len(collected)} messages, expected {n}")
+    return collected
+
+
+def fill(envelopes: Sequence[Any], chunk: int = 1_000) -> None:
+    """Write the messages as pending outbox rows (an empty table first)."""
+    from django.db import connection, transaction
+
+    from celery_outbox.store import OutboxStore
+
+    truncate()
+    store = OutboxStore("default")
+    with transaction.atomic():
+        for start in range(0, len(envelopes), chunk):
+            store.insert(envelopes[start : start + chunk])
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE celery_outbox_message")
+    if outbox_count() != len(envelopes):
+        raise BenchError("the outbox table does not hold the rows just written")
+
+
+# -- machine -------------------------------------------------------------------
+
+
+def machine_info(brokers: Brokers) -> list[tuple[str, str]]:
+    from importlib.metadata import version
+
+    from django.db import connection
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+        for line in handle:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        pg = str(cursor.fetchone()[0])
+        cursor.execute("SHOW synchronous_commit")
+        sync = str(cursor.fetchone()[0])
+    rabbit = brokers.amqp.connection.server_properties.get("version", "?")
+    if isinstance(rabbit, bytes):
+        rabbit = rabbit.decode()
+    redis_version = str(brokers.redis.info("server").get("redis_version", "?"))
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    packages = ", ".join(
+        f"{name} {version(name)}"
+        for name in ("Django", "celery", "kombu", "amqp", "redis", "psycopg")
+    )
+    return [
+        ("cpu", f"{os.cpu_count()} cores (nproc {affinity or '?'}), {cpu}"),
+        ("os", f"{platform.system()} {platform.release()}"),
+        ("python", f"{platform.python_implementation()} {platform.python_version()}"),
+        ("postgresql", f"{pg} (synchronous_commit={sync})"),
+        ("rabbitmq", str(rabbit)),
+        ("redis", redis_version),
+        ("packages", packages),
+    ]
+
+
+# -- 1. enqueue ----------------------------------------------------------------
+
+
+def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
+    from django.db import transaction
+
+    from bench.celery import noop, plain_app
+    from bench.models import BenchOrder
+
+    direct = plain_app("amqp")
+
+    def bare(number: int) -> None:
+        with transaction.atomic():
+            BenchOrder.objects.create(number=str(number), amount=number)
+
+    def outbox(number: int) -> None:
+        with transaction.atomic():
+            order = BenchOrder.objects.create(number=str(number), amount=number)
+            noop.delay(order.id)
+
+    def send(number: int) -> None:
+        direct.send_task(env.TASK_NAME, args=(number,))
+
+    variants: dict[str, Callable[[int], None]] = {
+        "bare": bare,
+        "outbox": outbox,
+        "direct": send,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    brokers.amqp_purge()
+    truncate()
+    for fn in variants.values():  # connections, caches, first-call costs
+        for number in range(50):
+            fn(number)
+    for _ in range(sizes.enqueue_repeats):
+        truncate()
+        brokers.amqp_purge()
+        for name, fn in variants.items():
+            started = time.perf_counter()
+            for number in range(sizes.enqueue_n):
+                fn(number)
+            elapsed = time.perf_counter() - started
+            samples[name].append(elapsed / sizes.enqueue_n * 1e6)
+    rows = outbox_count()
+    if rows != sizes.enqueue_n:
+        raise BenchError(f"expected {sizes.enqueue_n} outbox rows, found {rows}")
+    truncate()
+    brokers.amqp_purge()
+    with contextlib.suppress(Exception):
+        direct.close()
+    report.enqueue_samples = samples
+    report.enqueue = {name: median(values) for name, values in samples.items()}
+
+
+# -- 2. drain ------------------------------------------------------------------
+
+
+def drain_once(
+    kind: str, relays: int, envelopes: Sequence[Any], brokers: Brokers
+) -> float:
+    """Tasks per second for ``relays`` relay processes to empty a filled table."""
+    expected = len(envelopes)
+    brokers.purge(kind)
+    fill(envelopes)
+    children = [
+        Child(["-m", "bench.proc", "relay"], child_env(OUTBOX_BENCH_BROKER=kind))
+        for _ in range(relays)
+    ]
+    try:
+        for child in children:
+            child.expect("ready", timeout=60)
+        for child in children:
+            child.send("go")
+        done = [
+            json.loads(child.expect("done ", timeout=300)[5:]) for child in children
+        ]
+        for child in children:
+            if child.proc.wait(timeout=30) != 0:
+                raise BenchError(f"relay exited with {child.proc.returncode}")
+    finally:
+        for child in children:
+            child.stop()
+    elapsed = max(d["end"] for d in done) - min(d["start"] for d in done)
+    left = outbox_count()
+    if left:
+        raise BenchError(f"{kind} drain with {relays} relay(s): {left} rows left")
+    count = brokers.wait_count(kind, expected)
+    if count != expected:
+        raise BenchError(
+            f"{kind} drain with {relays} relay(s): the queue holds {count} messages, "
+            f"expected {expected}"
+        )
+    brokers.purge(kind)
+    return expected / elapsed
+
+
+def bench_drain(
+    report: Report, sizes: Sizes, brokers: Brokers, envelopes: Sequence[Any]
+) -> None:
+    configs = [(kind, relays) for kind in ("amqp", "redis") for relays in (1, 2)]
+    samples: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
+    for _ in range(sizes.drain_repeats):
+        for config in configs:
+            samples[config].append(drain_once(*config, envelopes, brokers))
+    truncate()
+    report.drain_samples = samples
+    report.drain = {c: median(v) for c, v in samples.items()}
+
+
+# -- 3. latency ----------------------------------------------------------------
+
+
+def bench_latency(report: Report, sizes: Sizes, brokers: Brokers) -> None:
+    from django.db import transaction
+
+    from bench.celery import noop
+    from bench.models import BenchOrder
+
+    truncate()
+    brokers.amqp_purge()
+    received: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def on_line(line: str) -> bool:
+        task_id, _, stamp = line.partition(" ")
+        if not stamp or len(task_id) != 36:
+            return False
+        with lock:
+            received[task_id] = float(stamp)
+        return True
+
+    rates = (30, 300)
+    total_seconds = sum(sizes.latency_seconds for _ in rates) + 120
+    consumer = Child(["-m", "bench.proc", "consume", str(total_seconds)], child_env())
+    consumer.on_line = on_line
+    relay = Child(
+        ["-m", "django", "outbox", "relay"], child_env(OUTBOX_BENCH_BROKER="amqp")
+    )
+
+    def enqueue(number: int) -> tuple[str, float]:
+        with transaction.atomic():
+            order = BenchOrder.objects.create(number=str(number), amount=number)
+            result = noop.delay(order.id)
+        return str(result.id), time.monotonic()
+
+    def wait_for(ids: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with lock:
+                if all(i in received for i in ids):
+                    return
+            time.sleep(0.05)
+
+    try:
+        consumer.expect("ready", timeout=60)
+        # Warm up: the relay is running once a task comes through.
+        warm: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            warm.append(enqueue(-1)[0])
+            wait_for(warm[-1:], 0.2)
+            with lock:
+                if warm[-1] in received:
+                    break
+        else:
+            raise BenchError("the relay did not deliver a warm-up task within 60 s")
+        for number in range(20):  # settle into the steady state
+            enqueue(number)
+            time.sleep(0.02)
+        time.sleep(1.0)
+        for rate in rates:
+            count = int(rate * sizes.latency_seconds)
+            committed: dict[str, float] = {}
+            start = time.monotonic() + 0.05
+            for number in range(count):
+                target = start + number / rate
+                pause = target - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                task_id, at = enqueue(number)
+                committed[task_id] = at
+            wait_for(list(committed), timeout=60)
+            with lock:
+                missing = [i for i in committed if i not in received]
+                delays = sorted(
+                    (received[i] - at) * 1000
+                    for i, at in committed.items()
+                    if i in received
+                )
+            if missing:
+                raise BenchError(
+                    f"latency at {rate}/s: {len(missing)} tasks never arrived"
+                )
+            achieved = count / max(time.monotonic() - start, 1e-9)
+            report.latency[rate] = {
+                "n": float(count),
+                "p50": percentile(delays, 50),
+                "p95": percentile(delays, 95),
+                "p99": percentile(delays, 99),
+                "max": delays[-1],
+                "achieved": min(achieved, float(rate)),
+            }
+            time.sleep(1.0)
+    finally:
+        relay.stop(terminate=True)
+        consumer.stop()
+    truncate()
+    brokers.amqp_purge()
+
+
+# -- 4. raw limits -------------------------------------------------------------
+
+
+def raw_amqp(
+    envelopes: Sequence[Any], brokers: Brokers, *, confirm: bool, every: int = 500
+) -> float:
+    """py-amqp publishing pre-built messages on one channel (msgs/s)."""
+    import amqp
+    from kombu import Connection
+
+    messages = [
+        amqp.Message(
+            e.body,
+            content_type=e.content_type,
+            content_encoding=e.content_encoding,
+            application_headers=dict(e.headers),
+            **dict(e.properties),
+        )
+        for e in envelopes
+    ]
+    brokers.amqp_purge()
+    with Connection(env.AMQP_URL, connect_timeout=10) as conn:
+        conn.ensure_connection(max_retries=3)
+        raw = conn.connection
+        channel = raw.channel()
+        confirmed = [0]
+
+        def on_ack(tag: int, multiple: bool) -> None:
+            confirmed[0] = max(confirmed[0], tag)
+
+        if confirm:
+            channel.confirm_select()
+            channel.events["basic_ack"].add(on_ack)
+        started = time.perf_counter()
+        for sent, message in enumerate(messages, start=1):
+            channel.basic_publish(message, exchange=env.QUEUE, routing_key=env.QUEUE)
+            if confirm and (sent % every == 0 or sent == len(messages)):
+                deadline = time.monotonic() + 30
+                while confirmed[0] < sent:
+                    if time.monotonic() > deadline:
+                        raise BenchError("raw py-amqp: confirms did not arrive in 30 s")
+                    with contextlib.suppress(TimeoutError):
+                        raw.drain_events(timeout=1.0)
+        elapsed = time.perf_counter() - started
+        channel.close()
+    count = brokers.wait_count("amqp", len(messages))
+    if count != len(messages):
+        raise BenchError(f"raw py-amqp: queue holds {count}, expected {len(messages)}")
+    brokers.amqp_purge()
+    return len(messages) / elapsed
+
+
+def raw_redis(envelopes: Sequence[Any], brokers: Brokers, every: int = 500) -> float:
+    """redis-py pipelines of LPUSH of kombu-shaped payloads (ops/s)."""
+    from kombu.utils.json import dumps
+
+    payloads = []
+    for e in envelopes:
+        properties = dict(e.properties)
+        properties.update(
+            body_encoding="base64",
+            delivery_info={"exchange": e.exchange, "routing_key": e.routing_key},
+            delivery_tag=str(uuid.uuid4()),
+        )
+        payloads.append(
+            dumps(
+                {
+                    "body": e.body.decode(),
+                    "content-encoding": e.content_encoding,
+                    "content-type": e.content_type,
+                    "headers": dict(e.headers),
+                    "properties": properties,
+                }
+            )
+        )
+    brokers.redis_purge()
+    client = brokers.redis
+    started = time.perf_counter()
+    for start in range(0, len(payloads), every):
+        with client.pipeline(transaction=False) as pipe:
+            for payload in payloads[start : start + every]:
+                pipe.lpush(env.QUEUE, payload)
+            pipe.execute()
+    elapsed = time.perf_counter() - started
+    count = brokers.redis_count()
+    if count != len(payloads):
+        raise BenchError(f"raw redis: list holds {count}, expected {len(payloads)}")
+    brokers.redis_purge()
+    return len(payloads) / elapsed
+
+
+def raw_pg_delete(envelopes: Sequence[Any], every: int = 500) -> float:
+    """PostgreSQL DELETE ... WHERE id IN (500 ids), one transaction each (rows/s)."""
+    from django.db import connection, transaction
+
+    fill(envelopes)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id FROM celery_outbox_message ORDER BY id")
+        ids = [int(row[0]) for row in cursor.fetchall()]
+    started = time.perf_counter()
+    for start in range(0, len(ids), every):
+        chunk = ids[start : start + every]
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                "DELETE FROM celery_outbox_message WHERE id IN ("
+                + ", ".join(["%s"] * len(chunk))
+                + ")",
+                chunk,
+            )
+    elapsed = time.perf_counter() - started
+    if outbox_count():
+        raise BenchError("raw DELETE left rows behind")
+    return len(ids) / elapsed
+
+
+def bench_raw(
+    report: Report, sizes: Sizes, brokers: Brokers, envelopes: Sequence[Any]
+) -> None:
+    subset = envelopes[: sizes.raw_n]
+    probes: dict[str, Callable[[], float]] = {
+        "amqp_confirm": lambda: raw_amqp(subset, brokers, confirm=True),
+        "amqp_noconfirm": lambda: raw_amqp(subset, brokers, confirm=False),
+        "redis_lpush": lambda: raw_redis(subset, brokers),
+        "pg_delete": lambda: raw_pg_delete(subset),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(sizes.raw_repeats):
+        for name, probe in probes.items():
+            samples[name].append(probe())
+    truncate()
+    report.raw_samples = samples
+    report.raw = {name: median(values) for name, values in samples.items()}
+
+
+# -- profile -------------------------------------------------------------------
+
+
+def profile_drain(kind: str, envelopes: Sequence[Any], brokers: Brokers) -> str:
+    """cProfile of an in-process relay draining the table; the top costs as text."""
+    from bench.celery import plain_app
+    from celery_outbox.broker import build_publisher
+    from celery_outbox.conf import get_settings
+    from celery_outbox.relay.runner import build_relay
+
+    settings = get_settings()
+    brokers.purge(kind)
+    fill(envelopes)
+    publisher = build_publisher(plain_app(kind), settings)
+    relay = build_relay(settings, publisher=publisher, until_empty=True)
+    relay.publisher.ping()
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.runcall(relay.run)
+    elapsed = time.perf_counter() - started
+    if outbox_count():
+        raise BenchError(f"profile {kind}: rows left")
+    count = brokers.wait_count(kind, len(envelopes))
+    if count != len(envelopes):
+        raise BenchError(
+            f"profile {kind}: queue holds {count}, expected {len(envelopes)}"
+        )
+    brokers.purge(kind)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.strip_dirs().sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(30)
+    rate = len(envelopes) / elapsed
+    return f"== {kind}: {len(envelopes)} rows in {elapsed:.2f} s under cProfile ({rate:,.0f}/s)\n{text.getvalue()}"
+
+
+# -- output --------------------------------------------------------------------
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "BELOW TARGET"
+
+
+def render(report: Report, only: str | None) -> str:
+    sizes = report.sizes
+    assert sizes is not None
+    out: list[str] = []
+    add = out.append
+    add(f"celery-outbox benchmark (run {env.RUN_ID})")
+    for key, value in report.machine:
+        add(f"  {key:<11} {value}")
+    if report.enqueue:
+        e = report.enqueue
+        overhead = (e["outbox"] / e["bare"] - 1) * 100
+        add("")
+        add(
+            f"1. enqueue: µs per call, median of {sizes.enqueue_repeats} x "
+            f"{sizes.enqueue_n:,} (PostgreSQL, each in its own transaction)"
+        )
+        add(f"  {'atomic(): insert 1 row (bare)':<50} {e['bare']:>9.0f} µs")
+        add(
+            f"  {'atomic(): insert 1 row + task.delay() (outbox)':<50} {e['outbox']:>9.0f} µs"
+            f"   {overhead:+.1f} % vs bare (target <= +{TARGET_OVERHEAD_PCT:.0f} %: "
+            f"{verdict(overhead <= TARGET_OVERHEAD_PCT)})"
+        )
+        add(
+            f"  {'send_task() straight to RabbitMQ (plain Celery)':<50} {e['direct']:>9.0f} µs"
+        )
+    if report.drain:
+        add("")
+        add(
+            f"2. drain: {sizes.drain_rows:,} pending rows -> broker, confirms on, "
+            f"tasks/s, median of {sizes.drain_repeats}"
+        )
+        raw_for = {"amqp": "amqp_confirm", "redis": "redis_lpush"}
+        for (kind, relays), rate in report.drain.items():
+            label = f"{'RabbitMQ' if kind == 'amqp' else 'Redis'}, {relays} relay{'s' if relays > 1 else ''}"
+            line = f"  {label:<20} {rate:>10,.0f} /s"
+            if relays == 1:
+                target = TARGET_AMQP_RATE if kind == "amqp" else TARGET_REDIS_RATE
+                line += f"   target >= {target:,.0f}: {verdict(rate >= target)}"
+            raw = report.raw.get(raw_for[kind])
+            if raw:
+                line += f"   {rate / raw:.0%} of raw {raw_for[kind]}"
+            pg = report.raw.get("pg_delete")
+            if pg:
+                line += f", {rate / pg:.0%} of raw pg_delete"
+            add(line)
+    if report.latency:
+        add("")
+        add(
+            "3. latency: commit -> message in the RabbitMQ queue (ms), relay with LISTEN/NOTIFY"
+        )
+        add(f"  {'rate':>10} {'n':>6} {'p50':>8} {'p95':>8} {'p99':>8} {'max':>8}")
+        for rate, row in report.latency.items():
+            line = (
+                f"  {rate:>8}/s {int(row['n']):>6} {row['p50']:>8.1f} {row['p95']:>8.1f} "
+                f"{row['p99']:>8.1f} {row['max']:>8.1f}"
+            )
+            if rate == 30:
+                ok = row["p50"] <= TARGET_P50_MS and row["p99"] <= TARGET_P99_MS
+                line += (
+                    f"   target p50 <= {TARGET_P50_MS:.0f}, p99 <= {TARGET_P99_MS:.0f}: "
+                    f"{verdict(ok)}"
+                )
+            add(line)
+    if report.raw:
+        add("")
+        add(
+            f"4. raw limits: {sizes.raw_n:,} messages/rows, median of {sizes.raw_repeats}"
+        )
+        labels = {
+            "amqp_confirm": "py-amqp, 1 channel, confirms every 500",
+            "amqp_noconfirm": "py-amqp, 1 channel, no confirms",
+            "redis_lpush": "redis-py pipeline of 500 LPUSH",
+            "pg_delete": "PostgreSQL DELETE, 500 ids per statement",
+        }
+        for name, rate in report.raw.items():
+            add(f"  {labels[name]:<44} {rate:>10,.0f} /s")
+    return "\n".join(out)
+
+
+# -- main ----------------------------------------------------------------------
+
+
+def prepare() -> None:
+    env.ensure_database()
+    env.setup_django()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument(
+        "--quick", action="store_true", help="small counts: a smoke check"
+    )
+    parser.add_argument(
+        "--only",
+        choices=["enqueue", "drain", "latency", "raw", "profile"],
+        help="run one part (profile: cProfile of an in-process drain; not in the default run)",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write every sample as JSON"
+    )
+    args = parser.parse_args(argv)
+    sizes = Sizes.pick(args.quick)
+    prepare()
+    report = Report(sizes=sizes)
+    brokers = Brokers()
+    parts = ["raw", "enqueue", "drain", "latency"] if args.only is None else [args.only]
+    try:
+        report.machine = machine_info(brokers)
+        print(render(report, args.only), flush=True)
+        envelopes: list[Any] = []
+        if {"raw", "drain", "profile"} & set(parts):
+            envelopes = capture_envelopes(max(sizes.drain_rows, sizes.raw_n))
+        for part in parts:
+            started = time.monotonic()
+            if part == "enqueue":
+                bench_enqueue(report, sizes, brokers)
+            elif part == "drain":
+                bench_drain(report, sizes, brokers, envelopes)
+            elif part == "latency":
+                bench_latency(report, sizes, brokers)
+            elif part == "raw":
+                bench_raw(report, sizes, brokers, envelopes)
+            elif part == "profile":
+                for kind in ("amqp", "redis"):
+                    print(profile_drain(kind, envelopes, brokers), flush=True)
+            print(
+                f"  ({part} took {time.monotonic() - started:.0f} s)", file=sys.stderr
+            )
+    finally:
+        with contextlib.suppress(Exception):
+            truncate()
+        brokers.cleanup()
+    if args.only != "profile":
+        print()
+        print(render(report, args.only))
+    if args.json:
+        data = {
+            "run": env.RUN_ID,
+            "sizes": dataclasses.asdict(sizes),
+            "machine": dict(report.machine),
+            "enqueue_us": report.enqueue_samples,
+            "drain_per_s": {
+                f"{k}/{r}": v for (k, r), v in report.drain_samples.items()
+            },
+            "latency_ms": {str(k): v for k, v in report.latency.items()},
+            "raw_per_s": report.raw_samples,
+        }
+        Path(args.json).write_text(json.dumps(data, indent=2))
+    return 0
