@@ -9,7 +9,9 @@ from celery_outbox.store import OutboxStore
 
 from .builders import envelope
 
-pytestmark = pytest.mark.django_db(databases="__all__")
+# Transactional: MariaDB commits implicitly on ANALYZE TABLE, so a rollback would not
+# clean up; pytest-django truncates the tables after each test instead.
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 COLUMNS = (
     "task_id, task_name, queue, exchange, routing_key, payload_version, body, content_type, "
