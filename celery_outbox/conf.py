@@ -56,6 +56,10 @@ class OutboxSettings:
     dead_letter_retention: float | None = None
     #: Dotted path of ``(task_name, args, kwargs) -> (args, kwargs)`` applied to shown arguments.
     redactor: str | None = None
+    #: Capture structlog context variables at enqueue (no-op unless structlog is in use).
+    log_context: bool = True
+    #: Which context variables to capture; None captures all of them.
+    log_context_keys: tuple[str, ...] | None = None
 
 
 _FIELDS = {
@@ -78,6 +82,8 @@ _FIELDS = {
     "STATSD_ADDRESS": "statsd_address",
     "DEAD_LETTER_RETENTION": "dead_letter_retention",
     "REDACTOR": "redactor",
+    "LOG_CONTEXT": "log_context",
+    "LOG_CONTEXT_KEYS": "log_context_keys",
 }
 
 
@@ -89,11 +95,12 @@ def _positive(name: str, value: Any, kind: type) -> Any:
     return kind(value)
 
 
-def _str_tuple(name: str, value: Any) -> tuple[str, ...]:
+def _str_tuple(
+    name: str, value: Any, expected: str = "a list of task names or glob patterns"
+) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Iterable):
         raise OutboxConfigurationError(
-            f"{PREFIX}{name} must be a list of task names or glob patterns "
-            f"(e.g. ['myapp.tasks.ping', 'metrics.*']), got {value!r}."
+            f"{PREFIX}{name} must be {expected}, got {value!r}."
         )
     items = tuple(value)
     bad = [item for item in items if not isinstance(item, str) or not item]
@@ -116,6 +123,17 @@ def _retention(name: str, value: Any) -> float | None:
         return parse_duration(value)
     except ValueError as exc:
         raise OutboxConfigurationError(f"{PREFIX}{name}: {exc}.") from None
+
+
+def _key_names(name: str, value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return _str_tuple(
+        name,
+        value,
+        "None (capture every variable) or a list of context variable names "
+        "(e.g. ['request_id', 'user_id'])",
+    )
 
 
 def load_settings(source: Any = django_settings) -> OutboxSettings:
@@ -151,12 +169,19 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
         elif field == "dead_letter_retention":
             values[field] = _retention(name, value)
         elif field == "exclude_tasks":
-            values[field] = _str_tuple(name, value)
+            values[field] = _str_tuple(
+                name,
+                value,
+                "a list of task names or glob patterns (e.g. ['myapp.tasks.ping', 'metrics.*'])",
+            )
+        elif field == "log_context_keys":
+            values[field] = _key_names(name, value)
         elif field in {
             "direct_from_worker",
             "confirm_publish",
             "notify",
             "publish_on_commit",
+            "log_context",
         }:
             if not isinstance(value, bool):
                 raise OutboxConfigurationError(

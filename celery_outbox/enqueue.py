@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import fnmatch
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
 from .conf import OutboxSettings, OutsideTransaction, get_settings
+from .contrib.logcontext import capture_log_context
 from .envelope import Envelope
 from .exceptions import OutboxSerializationError, OutboxTransactionError
 from .signals import send_created
@@ -210,6 +212,11 @@ class CapturingProducer:
             properties["priority"] = priority
         if isinstance(properties.get("reply_to"), Queue):
             properties["reply_to"] = properties["reply_to"].name
+        if _OTEL_TRACE in sys.modules:
+            # Adds trace headers only where no instrumentation already did.
+            from .contrib.otel import add_trace_headers
+
+            add_trace_headers(headers)
         task_name = str(headers.get("task", ""))
         content_type, content_encoding, data = _serialize(
             body, serializer or self._default_serializer, task_name
@@ -235,8 +242,13 @@ class CapturingProducer:
                 queue=queues[0] if queues else (routing_key or ""),
                 arguments_preview=_preview(headers),
                 ordering_key=None if ordering_key is None else str(ordering_key),
+                log_context=capture_log_context(get_settings()),
             )
         )
+
+
+#: Present in ``sys.modules`` once the application uses OpenTelemetry.
+_OTEL_TRACE = "opentelemetry.trace"
 
 
 def _exchange_details(exchange: str | Exchange | None) -> tuple[str, Any]:

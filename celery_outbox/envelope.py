@@ -7,8 +7,10 @@ rebuilding anything.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from kombu.utils import json as kombu_json
@@ -18,6 +20,15 @@ from .exceptions import UnsupportedPayloadVersion
 #: The layout of a stored message. A relay refuses rows with a newer version, loudly.
 PAYLOAD_VERSION = 1
 SUPPORTED_PAYLOAD_VERSIONS = frozenset({1})
+
+#: The log context of a message that has none (shared, read-only).
+EMPTY_LOG_CONTEXT: Mapping[str, Any] = MappingProxyType({})
+#: How an empty log context is stored: a constant, so enqueue does no JSON work for it.
+EMPTY_LOG_CONTEXT_JSON = "{}"
+
+
+def _no_log_context() -> Mapping[str, Any]:
+    return EMPTY_LOG_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,8 @@ class Envelope:
     queue: str = ""
     arguments_preview: str = ""
     ordering_key: str | None = None
+    #: Log context variables (structlog) captured at enqueue; stored, never sent.
+    log_context: Mapping[str, Any] = field(default_factory=_no_log_context)
 
     @property
     def priority(self) -> int | None:
@@ -70,6 +83,30 @@ def dump_json(value: Any) -> str:
 def load_json(text: str) -> Any:
     """Decode what :func:`dump_json` wrote."""
     return kombu_json.loads(text)
+
+
+def dump_log_context(context: Mapping[str, Any]) -> str:
+    """Encode a captured log context; never raises (values it cannot encode become text)."""
+    if not context:
+        return EMPTY_LOG_CONTEXT_JSON
+    try:
+        return json.dumps(
+            dict(context), default=str, skipkeys=True, separators=(",", ":")
+        )
+    except (TypeError, ValueError):
+        # e.g. a circular reference: lose the context, never the task.
+        return EMPTY_LOG_CONTEXT_JSON
+
+
+def load_log_context(text: str | None) -> Mapping[str, Any]:
+    """Decode what :func:`dump_log_context` wrote; NULL (a row written by an older version) is empty."""
+    if not text or text == EMPTY_LOG_CONTEXT_JSON:
+        return EMPTY_LOG_CONTEXT
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return EMPTY_LOG_CONTEXT
+    return value if isinstance(value, dict) else EMPTY_LOG_CONTEXT
 
 
 def check_payload_version(version: int, row_id: int) -> None:

@@ -30,6 +30,14 @@ class MessageFields(models.Model):
         default="[]", help_text="Queue names declared before publish, JSON."
     )
     arguments_preview = models.TextField(blank=True, default="")
+    #: Nullable so that rows written by an older version during a rolling deploy still
+    #: insert; NULL reads as an empty context.
+    log_context = models.TextField(
+        null=True,
+        blank=True,
+        default="{}",
+        help_text="Log context variables captured at enqueue, JSON; never sent to the broker.",
+    )
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField()

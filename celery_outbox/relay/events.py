@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..envelope import StoredMessage
 from ..store import SettleReport
@@ -58,6 +61,26 @@ RelayEvent = BatchSettled | LoopError | BreakerOpened
 Listener = Callable[[RelayEvent], None]
 
 
+class BatchHook(Protocol):
+    """Wraps the publishing and settling of each batch (a tracing span, for instance).
+
+    The batch's :class:`BatchSettled` event is emitted inside the block, so a hook that
+    is also a listener can annotate what it opened.
+    """
+
+    def batch(self, messages: Sequence[StoredMessage]) -> AbstractContextManager[Any]:
+        """The context manager entered around one batch."""
+        ...
+
+
+class TracingHook(BatchHook, Protocol):
+    """A batch hook that also listens to the events of the batch it wraps."""
+
+    def __call__(self, event: RelayEvent) -> None:
+        """Receive one relay event."""
+        ...
+
+
 def log_event(event: RelayEvent) -> None:
     """The default listener: one log line per event worth a line."""
     if isinstance(event, BatchSettled):
@@ -85,3 +108,27 @@ def emit(listeners: Sequence[Listener], event: RelayEvent) -> None:
             listener(event)
         except Exception:
             logger.exception("relay event listener %r failed", listener)
+
+
+@contextlib.contextmanager
+def guarded(hook: BatchHook, messages: Sequence[StoredMessage]) -> Iterator[None]:
+    """Enter a batch hook; a hook that fails is logged and never stops the loop."""
+    try:
+        manager = hook.batch(messages)
+        manager.__enter__()
+    except Exception:
+        logger.exception("relay batch hook %r failed", hook)
+        yield
+        return
+    try:
+        yield
+    except BaseException as exc:
+        try:
+            manager.__exit__(type(exc), exc, exc.__traceback__)
+        except Exception:
+            logger.exception("relay batch hook %r failed", hook)
+        raise
+    try:
+        manager.__exit__(None, None, None)
+    except Exception:
+        logger.exception("relay batch hook %r failed", hook)

@@ -6,6 +6,7 @@ commits before the first publish, and the settlement is a second short transacti
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -21,12 +22,14 @@ from ..store import Claim, OutboxStore, SettleReport
 from .config import RelayConfig
 from .core import Breaker, PublishResult, Settlement, decide
 from .events import (
+    BatchHook,
     BatchSettled,
     BreakerOpened,
     Listener,
     LoopError,
     StopReason,
     emit,
+    guarded,
     log_event,
 )
 from .waiter import Waiter
@@ -73,6 +76,7 @@ class Relay:
         waiter: Waiter | None = None,
         listeners: Sequence[Listener] = (log_event,),
         wakeup: WakeupSource | None = None,
+        batch_hooks: Sequence[BatchHook] = (),
     ) -> None:
         self.store = store
         self.publisher = publisher
@@ -81,6 +85,8 @@ class Relay:
         self.random = random_source
         self.waiter = waiter or Waiter()
         self.listeners = list(listeners)
+        #: Entered around each batch's publish and settlement (tracing).
+        self.batch_hooks = list(batch_hooks)
         self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
         self._stopping = False
         self._stop_at: float | None = None
@@ -150,6 +156,17 @@ class Relay:
             self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
         if not claim.messages:
             return 0
+        if not self.batch_hooks:
+            self._publish_batch(claim, started)
+        else:
+            with contextlib.ExitStack() as hooks:
+                for hook in self.batch_hooks:
+                    hooks.enter_context(guarded(hook, claim.messages))
+                self._publish_batch(claim, started)
+        return len(claim.messages)
+
+    def _publish_batch(self, claim: Claim, started: float) -> None:
+        """Publish claimed rows, decide, settle and emit :class:`BatchSettled`."""
         budget = _BatchBudget(
             self, claim.token, [m.id for m in claim.messages], started
         )
@@ -173,7 +190,6 @@ class Relay:
                 publish_seconds,
             )
             emit(self.listeners, event)
-        return len(claim.messages)
 
     # -- internals -------------------------------------------------------------
 

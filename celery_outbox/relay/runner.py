@@ -9,6 +9,8 @@ from django.db import connections
 from ..app import resolve_app
 from ..broker import Publisher, build_publisher
 from ..conf import OutboxSettings
+from ..contrib import library_in_use
+from ..contrib.logcontext import LogContextListener, structlog_available
 from ..enqueue import outbox_alias
 from ..exceptions import OutboxConfigurationError
 from ..metrics import PrometheusSink, RelayMetrics, StatsdSink
@@ -16,7 +18,7 @@ from ..signals import send_relay_signals
 from ..store import OutboxStore
 from ..store.notify import PgNotifyListener
 from .config import RelayConfig
-from .events import Listener, log_event
+from .events import Listener, TracingHook, log_event
 from .loop import Relay
 
 
@@ -30,15 +32,20 @@ def build_relay(
     """A relay for the configured app and outbox alias; fails early on bad configuration.
 
     Listeners: logging, Django signals, and metrics when StatsD is configured or a
-    Prometheus port is given (``/metrics`` served on that port).
+    Prometheus port is given (``/metrics`` served on that port). Tracing (Sentry,
+    OpenTelemetry) and per-message log lines in the enqueue-time structlog context are
+    added when those libraries are set up in this process.
     """
     config = RelayConfig.from_settings(settings, **overrides)
     alias = outbox_alias(settings)
     store = OutboxStore(alias)
     store.dialect  # noqa: B018 - refuses an unsupported database before the loop starts
     connections[alias].ensure_connection()
+    broker = ""
     if publisher is None:
-        publisher = build_publisher(resolve_app(settings), settings)
+        app = resolve_app(settings)
+        broker = str(app.connection_for_write().transport.driver_type)
+        publisher = build_publisher(app, settings)
     wakeup = None
     if settings.notify and connections[alias].vendor == "postgresql":
         wakeup = PgNotifyListener(alias)
@@ -54,4 +61,35 @@ def build_relay(
             ) from exc
         prometheus_client.start_http_server(metrics_port)
         listeners.append(RelayMetrics(PrometheusSink(), store))
-    return Relay(store, publisher, config, wakeup=wakeup, listeners=listeners)
+    batch_hooks = tracing_hooks(broker or type(publisher).__name__)
+    listeners.extend(batch_hooks)
+    if settings.log_context and structlog_available():
+        listeners.append(LogContextListener())
+    return Relay(
+        store,
+        publisher,
+        config,
+        wakeup=wakeup,
+        listeners=listeners,
+        batch_hooks=batch_hooks,
+    )
+
+
+def tracing_hooks(broker: str) -> list[TracingHook]:
+    """Batch hooks (also listeners) for the tracing libraries this process has set up.
+
+    Sentry when ``sentry_sdk.init`` was called; OpenTelemetry when a TracerProvider
+    is installed. A library the application never imported is never imported here.
+    """
+    hooks: list[TracingHook] = []
+    if library_in_use("sentry_sdk"):
+        from ..contrib.sentry import SentryRelayTracing, sentry_initialised
+
+        if sentry_initialised():
+            hooks.append(SentryRelayTracing(broker))
+    if library_in_use("opentelemetry.trace"):
+        from ..contrib.otel import OtelRelayTracing, tracer_provider_configured
+
+        if tracer_provider_configured():
+            hooks.append(OtelRelayTracing(broker))
+    return hooks

@@ -33,6 +33,7 @@ MESSAGE_COLUMNS = (
     "properties",
     "declare_queues",
     "arguments_preview",
+    "log_context",
 )
 
 #: What a claim returns for each row, in this order.

@@ -21,7 +21,9 @@ from ..envelope import (
     StoredMessage,
     check_payload_version,
     dump_json,
+    dump_log_context,
     load_json,
+    load_log_context,
 )
 from ..exceptions import (
     OutboxConfigurationError,
@@ -796,6 +798,7 @@ def _message_values(envelope: Envelope) -> list[Any]:
         dump_json(dict(envelope.properties)),
         dump_json(list(envelope.declare)),
         envelope.arguments_preview,
+        dump_log_context(envelope.log_context),
     ]
 
 
@@ -832,6 +835,7 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         queue=values["queue"],
         arguments_preview=values["arguments_preview"],
         ordering_key=values["ordering_key"],
+        log_context=load_log_context(values["log_context"]),
     )
     return StoredMessage(
         int(values["id"]),
