@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .store import (
+from .store import OutboxStore
+from .types import (
     BacklogGroup,
     Claim,
     DeadLetterFilter,
     DeadTask,
-    OutboxStore,
     PurgeReport,
     ReplayReport,
     RetryingTask,

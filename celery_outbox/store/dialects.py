@@ -36,6 +36,15 @@ MESSAGE_COLUMNS = (
     "log_context",
 )
 
+#: What the enqueue path (and a replay) writes: the message, then the row's state.
+INSERT_COLUMNS = (
+    *MESSAGE_COLUMNS,
+    "attempts",
+    "last_error",
+    "created_at",
+    "available_at",
+)
+
 #: What a claim returns for each row, in this order.
 CLAIM_COLUMNS = ("id", "attempts", *MESSAGE_COLUMNS)
 

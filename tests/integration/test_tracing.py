@@ -53,8 +53,7 @@ from celery_outbox.relay.core import (
 )
 from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.runner import build_relay
-from celery_outbox.store import Claim, OutboxStore
-from celery_outbox.store.store import DeadLetterFilter
+from celery_outbox.store import Claim, DeadLetterFilter, OutboxStore
 from tests.project.shop.tasks import record
 
 from .builders import envelope

@@ -1,0 +1,43 @@
+"""What every part of the store shares: the alias, its connection and dialect, error translation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from django.db import DatabaseError, InterfaceError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from ..exceptions import (
+    OutboxDatabaseError,
+)
+from .dialects import (
+    Dialect,
+    dialect_for,
+)
+
+
+class StoreBase:
+    """The outbox tables on one database alias."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    @property
+    def connection(self) -> BaseDatabaseWrapper:
+        """The Django connection of the outbox alias."""
+        return connections[self.alias]
+
+    @property
+    def dialect(self) -> Dialect:
+        """SQL for this alias's vendor."""
+        return dialect_for(self.connection)
+
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except (DatabaseError, InterfaceError) as exc:
+            raise OutboxDatabaseError(
+                f"outbox database {self.alias!r}: {type(exc).__name__}: {exc}"
+            ) from exc

@@ -1,0 +1,153 @@
+"""Values the store returns: claims, settlement reports, statistics, operator reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ..envelope import (
+    StoredMessage,
+)
+from ..relay.core import Decision
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Rows leased to one relay under one token."""
+
+    token: str
+    messages: tuple[StoredMessage, ...]
+    #: Rows this relay cannot read (a newer payload version), handed back as dead letters.
+    unreadable: tuple[Decision, ...] = ()
+
+
+@dataclass(frozen=True)
+class SettleReport:
+    """How many rows each part of a settlement changed; fewer than asked means a lost lease."""
+
+    deleted: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    released: int = 0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of the outbox."""
+
+    pending: int
+    due: int
+    in_flight: int
+    dead: int
+    oldest_pending_seconds: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON shape of ``outbox stats --format json``."""
+        return {
+            "pending": self.pending,
+            "due": self.due,
+            "in_flight": self.in_flight,
+            "dead": self.dead,
+            "oldest_pending_seconds": self.oldest_pending_seconds,
+        }
+
+
+@dataclass(frozen=True)
+class BacklogGroup:
+    """Waiting rows of one task name on one queue."""
+
+    task_name: str
+    queue: str
+    pending: int
+    due: int
+    oldest_seconds: float | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What an operator looks at first: totals, the oldest age and the biggest backlogs."""
+
+    pending: int
+    due: int
+    waiting_retry: int
+    in_flight: int
+    dead: int
+    oldest_pending_seconds: float | None
+    backlog: tuple[BacklogGroup, ...] = ()
+
+
+@dataclass(frozen=True)
+class RetryingTask:
+    """Outbox rows of one task name that the broker refused at least once."""
+
+    task_name: str
+    rows: int
+    attempts: int
+    max_attempts: int
+
+
+@dataclass(frozen=True)
+class DeadTask:
+    """Dead letters of one task name."""
+
+    task_name: str
+    dead: int
+
+
+@dataclass(frozen=True)
+class TopFailures:
+    """The task names that fail most, in the outbox and among the dead letters."""
+
+    retrying: tuple[RetryingTask, ...]
+    dead: tuple[DeadTask, ...]
+
+
+@dataclass(frozen=True)
+class DeadLetterFilter:
+    """Which dead letters to replay: every given condition must hold.
+
+    ``ids`` are dead-letter ids, ``task`` a task name or glob (``shop.*``), and
+    ``since``/``until`` bound ``dead_at`` (``since <= dead_at < until``).
+    """
+
+    ids: tuple[int, ...] = ()
+    task: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether no condition was given (the filter matches every dead letter)."""
+        return (
+            not self.ids
+            and self.task is None
+            and self.since is None
+            and self.until is None
+        )
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """What a replay did (or, with ``dry_run``, would do)."""
+
+    matched: int
+    replayed: int
+    dry_run: bool
+    by_task: Mapping[str, int] = field(default_factory=dict)
+    #: Ids of the dead letters that were replayed (and deleted).
+    ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PurgeReport:
+    """How many dead letters a purge deleted (or, with ``dry_run``, would delete)."""
+
+    matched: int
+    deleted: int
+    dry_run: bool
+
+
+#: Called after each replayed chunk with (replayed so far, total matched).
+Progress = Callable[[int, int], None]
