@@ -112,15 +112,22 @@ class OutboxCelery(Celery):
     def _route(self, name: str, task_id: str | None, settings: OutboxSettings) -> Route:
         running = self.current_worker_task
         running_id = running.request.id if running is not None else None
-        in_atomic = False
+        in_atomic = others_in_atomic = False
         if running_id is not None:
-            in_atomic = connections[outbox_alias(settings)].in_atomic_block
+            alias = outbox_alias(settings)
+            in_atomic = connections[alias].in_atomic_block
+            others_in_atomic = any(
+                conn.in_atomic_block
+                for conn in connections.all(initialized_only=True)
+                if conn.alias != alias
+            )
         return choose_route(
             CallContext(
                 task_name=name,
                 task_id=task_id,
                 running_task_id=running_id,
                 outbox_in_atomic=in_atomic,
+                other_alias_in_atomic=others_in_atomic,
             ),
             settings,
         )

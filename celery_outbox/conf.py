@@ -197,6 +197,12 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
         else:
             values[field] = _positive(name, value, float)
     result = OutboxSettings(**values)
+    if result.lease_seconds <= result.send_timeout:
+        raise OutboxConfigurationError(
+            f"{PREFIX}LEASE_SECONDS ({result.lease_seconds}) must be longer than "
+            f"{PREFIX}SEND_TIMEOUT ({result.send_timeout}), or another relay could claim "
+            f"rows still being published."
+        )
     if result.retry_max_seconds < result.retry_base_seconds:
         raise OutboxConfigurationError(
             f"{PREFIX}RETRY_MAX_SECONDS ({result.retry_max_seconds}) must not be smaller "

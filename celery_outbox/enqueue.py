@@ -53,6 +53,8 @@ class CallContext:
     running_task_id: str | None
     #: Whether the outbox alias is inside ``transaction.atomic()``.
     outbox_in_atomic: bool
+    #: Whether another database alias is (business data elsewhere).
+    other_alias_in_atomic: bool = False
 
 
 def is_excluded(task_name: str, patterns: Sequence[str]) -> bool:
@@ -66,8 +68,9 @@ def choose_route(call: CallContext, settings: OutboxSettings) -> Route:
     * excluded task names go direct;
     * ``Task.retry()`` (same task id as the running task) goes direct: it re-sends a
       message the worker already holds, and no business transaction produced it;
-    * inside a worker, calls outside a transaction go direct (no needless relay
-      latency, no warning); calls inside ``atomic()`` keep the outbox guarantee;
+    * inside a worker, calls outside any transaction go direct (no needless relay
+      latency, no warning); calls inside ``atomic()`` keep the outbox guarantee, and
+      ``atomic()`` on another database is refused as it is in a web process;
     * everything else goes through the outbox.
     """
     if is_excluded(call.task_name, settings.exclude_tasks):
@@ -75,7 +78,11 @@ def choose_route(call: CallContext, settings: OutboxSettings) -> Route:
     if call.running_task_id is not None:
         if call.task_id is not None and call.task_id == call.running_task_id:
             return Route.DIRECT
-        if settings.direct_from_worker and not call.outbox_in_atomic:
+        if (
+            settings.direct_from_worker
+            and not call.outbox_in_atomic
+            and not call.other_alias_in_atomic  # the outbox path raises a clear error
+        ):
             return Route.DIRECT
     return Route.OUTBOX
 

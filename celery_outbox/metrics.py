@@ -147,6 +147,8 @@ class RelayMetrics:
             self.sink.gauge("breaker_open", 1)
             return
         if not isinstance(event, BatchSettled):
+            # An idle or paused relay still refreshes the backlog gauges.
+            self._maybe_sample()
             return
         outcomes = [r.outcome for r in event.results]
         published = outcomes.count(Outcome.PUBLISHED)

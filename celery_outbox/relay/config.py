@@ -70,6 +70,11 @@ class RelayConfig:
                 raise OutboxConfigurationError(
                     f"The relay's {name} must be positive, got {value}."
                 )
+        if self.policy.max_seconds < self.policy.base_seconds:
+            raise OutboxConfigurationError(
+                f"The retry cap ({self.policy.max_seconds}s) must not be smaller than the "
+                f"retry base ({self.policy.base_seconds}s)."
+            )
         if self.lease_seconds <= self.send_timeout:
             raise OutboxConfigurationError(
                 f"The lease ({self.lease_seconds}s) must be longer than the send timeout "

@@ -57,7 +57,14 @@ class BreakerOpened:
     seconds: float
 
 
-RelayEvent = BatchSettled | LoopError | BreakerOpened
+@dataclass(frozen=True)
+class Idle:
+    """A turn of the loop found nothing to publish (or was paused); it waits next."""
+
+    seconds: float
+
+
+RelayEvent = BatchSettled | LoopError | BreakerOpened | Idle
 Listener = Callable[[RelayEvent], None]
 
 
@@ -97,7 +104,7 @@ def log_event(event: RelayEvent) -> None:
         )
     elif isinstance(event, LoopError):
         logger.error("relay %s failed: %s", event.stage, event.error)
-    else:
+    elif isinstance(event, BreakerOpened):
         logger.warning("broker unreachable: pausing for %.1f s", event.seconds)
 
 

@@ -25,6 +25,7 @@ from .events import (
     BatchHook,
     BatchSettled,
     BreakerOpened,
+    Idle,
     Listener,
     LoopError,
     StopReason,
@@ -124,9 +125,9 @@ class Relay:
                     if self.run_once() is Cycle.EMPTY:
                         return StopReason.EMPTY
                     continue
-                self._pause(
-                    self._pause_seconds(cycle), woken_by_rows=cycle is not Cycle.PAUSED
-                )
+                seconds = self._pause_seconds(cycle)
+                emit(self.listeners, Idle(seconds))
+                self._pause(seconds, woken_by_rows=cycle is not Cycle.PAUSED)
         self.publisher.close()
         if self.wakeup is not None:
             self.wakeup.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from django.db import connections
@@ -40,12 +41,15 @@ def build_relay(
     alias = outbox_alias(settings)
     store = OutboxStore(alias)
     store.dialect  # noqa: B018 - refuses an unsupported database before the loop starts
-    connections[alias].ensure_connection()
+    store.ping()  # a clear error now if the database or the outbox tables are missing
     broker = ""
     if publisher is None:
         app = resolve_app(settings)
         broker = str(app.connection_for_write().transport.driver_type)
-        publisher = build_publisher(app, settings)
+        # Flags such as --send-timeout also bound connecting and socket reads.
+        publisher = build_publisher(
+            app, dataclasses.replace(settings, send_timeout=config.send_timeout)
+        )
     wakeup = None
     if settings.notify and connections[alias].vendor == "postgresql":
         wakeup = PgNotifyListener(alias)

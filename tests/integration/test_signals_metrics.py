@@ -191,3 +191,18 @@ def test_dead_letter_count_is_exposed() -> None:
     assert registry.get_sample_value("celery_outbox_dead_lettered_total") == 1
     assert registry.get_sample_value("celery_outbox_dead") == 1
     assert DeadLetter.objects.count() == 1
+
+
+def test_an_idle_relay_keeps_the_backlog_gauges_fresh() -> None:
+    from celery_outbox.relay.events import Idle
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = RelayMetrics(
+        PrometheusSink(registry), OutboxStore("default"), sample_every=0.0
+    )
+    metrics(Idle(1.0))
+    assert registry.get_sample_value("celery_outbox_pending") == 0
+    with transaction.atomic():
+        OutboxStore("default").insert([envelope("w1"), envelope("w2")])
+    metrics(Idle(1.0))
+    assert registry.get_sample_value("celery_outbox_pending") == 2

@@ -299,6 +299,8 @@ def test_no_otel_hook_without_a_tracer_provider(tmp_path: Path) -> None:
     # may have set it: ask a fresh process.
     code = (
         "import django; django.setup()\n"
+        "from django.core.management import call_command\n"
+        "call_command('migrate', verbosity=0)\n"
         "from celery_outbox.conf import get_settings\n"
         "from celery_outbox.contrib.otel import OtelRelayTracing\n"
         "from celery_outbox.relay.runner import build_relay\n"

@@ -81,3 +81,17 @@ def test_a_lease_shorter_than_the_send_timeout_is_refused() -> None:
         OutboxConfigurationError, match="must be longer than the send timeout"
     ):
         RelayConfig.from_settings(OutboxSettings(lease_seconds=5.0, send_timeout=10.0))
+
+
+def test_a_lease_shorter_than_the_send_timeout_is_refused_at_start_up() -> None:
+    with pytest.raises(
+        OutboxConfigurationError, match=r"LEASE_SECONDS .* must be longer"
+    ):
+        load_settings(settings(LEASE_SECONDS=5, SEND_TIMEOUT=10))
+
+
+def test_a_retry_cap_below_the_base_is_refused_from_flags_too() -> None:
+    with pytest.raises(OutboxConfigurationError, match="retry cap"):
+        RelayConfig.from_settings(
+            OutboxSettings(), retry_base_seconds=60, retry_max_seconds=5
+        )

@@ -60,3 +60,9 @@ def test_a_worker_outside_a_transaction_publishes_directly() -> None:
 def test_a_worker_inside_a_transaction_keeps_the_outbox_guarantee() -> None:
     child = call(task_id="child", running_task_id="parent", outbox_in_atomic=True)
     assert choose_route(child, OutboxSettings()) is Route.OUTBOX
+
+
+def test_a_worker_writing_to_another_database_is_refused_like_a_web_request() -> None:
+    # Routed to the outbox, where the transaction guard raises its clear error.
+    child = call(task_id="child", running_task_id="parent", other_alias_in_atomic=True)
+    assert choose_route(child, OutboxSettings()) is Route.OUTBOX
