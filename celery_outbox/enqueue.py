@@ -313,7 +313,7 @@ def _preview(headers: Mapping[str, Any]) -> str:
 
 #: A process sends at most one wake-up hint per this many seconds; rows committed in
 #: between are found by the relay's drain or its short adaptive poll.
-NOTIFY_COALESCE_SECONDS = 0.005
+NOTIFY_COALESCE_SECONDS = 0.02
 
 
 class Enqueuer:
