@@ -162,20 +162,13 @@ class OperatorQueries(StoreBase):
         """
         now = self.dialect.now()
         changed: list[int] = []
-        for chunk in _chunks(ids):
-            with (
-                self._translated(),
-                transaction.atomic(using=self.alias),
-                self.connection.cursor() as cursor,
-            ):
-                free = self._lock_unleased(cursor, chunk)
-                if free:
-                    cursor.execute(
-                        f"UPDATE {MESSAGE_TABLE} SET available_at = {now} "
-                        f"WHERE id IN ({placeholders(free)})",
-                        free,
-                    )
-                    changed.extend(free)
+        for cursor, free in self._unleased_chunks(ids):
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET available_at = {now} "
+                f"WHERE id IN ({placeholders(free)})",
+                free,
+            )
+            changed.extend(free)
         return changed
 
     def move_to_dead_letters(self, ids: Sequence[int], reason: str) -> list[int]:
@@ -186,27 +179,19 @@ class OperatorQueries(StoreBase):
         columns = ", ".join(MESSAGE_COLUMNS)
         now = self.dialect.now()
         moved: list[int] = []
-        for chunk in _chunks(ids):
-            with (
-                self._translated(),
-                transaction.atomic(using=self.alias),
-                self.connection.cursor() as cursor,
-            ):
-                free = self._lock_unleased(cursor, chunk)
-                if not free:
-                    continue
-                cursor.execute(
-                    f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, "
-                    f"last_error, created_at, dead_at) SELECT id, {columns}, attempts, %s, "
-                    f"created_at, {now} FROM {MESSAGE_TABLE} "
-                    f"WHERE id IN ({placeholders(free)}) ORDER BY id",
-                    [reason[:4000], *free],
-                )
-                cursor.execute(
-                    f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(free)})",
-                    free,
-                )
-                moved.extend(free)
+        for cursor, free in self._unleased_chunks(ids):
+            cursor.execute(
+                f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, "
+                f"last_error, created_at, dead_at) SELECT id, {columns}, attempts, %s, "
+                f"created_at, {now} FROM {MESSAGE_TABLE} "
+                f"WHERE id IN ({placeholders(free)}) ORDER BY id",
+                [reason[:4000], *free],
+            )
+            cursor.execute(
+                f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(free)})",
+                free,
+            )
+            moved.extend(free)
         return moved
 
     def replay_dead_letters(
@@ -365,6 +350,22 @@ class OperatorQueries(StoreBase):
         if not connection.features.has_select_for_update:
             return ""
         return " " + str(connection.ops.for_update_sql())
+
+    def _unleased_chunks(self, ids: Sequence[int]) -> Iterator[tuple[Any, list[int]]]:
+        """Per chunk of ``ids``, one transaction with the rows no relay holds locked.
+
+        Yields ``(cursor, ids)``; the caller's statements run inside that transaction,
+        and an exception in them rolls it back.
+        """
+        for chunk in _chunks(ids):
+            with (
+                self._translated(),
+                transaction.atomic(using=self.alias),
+                self.connection.cursor() as cursor,
+            ):
+                free = self._lock_unleased(cursor, chunk)
+                if free:
+                    yield cursor, free
 
     def _lock_unleased(self, cursor: Any, ids: Sequence[int]) -> list[int]:
         """Lock the rows among ``ids`` that no relay holds; returns their ids.
