@@ -119,6 +119,36 @@ def check_redactor(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 
 @register("celery_outbox", Tags.database)
+def check_skip_locked(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """The outbox database can claim with ``SELECT ... FOR UPDATE SKIP LOCKED`` (E006).
+
+    Tagged ``database``: the answer needs the server version.
+    """
+    alias = _outbox_alias_or_none()
+    if alias is None or not databases or alias not in databases:
+        return []
+    connection = connections[alias]
+    if connection.vendor not in {"postgresql", "mysql"}:
+        return []
+    try:
+        supported = connection.features.has_select_for_update_skip_locked
+    except Exception:  # an unreachable database is reported by check_migrations
+        return []
+    if supported:
+        return []
+    return [
+        Error(
+            f"The outbox database {alias!r} does not support SELECT ... FOR UPDATE SKIP "
+            "LOCKED, which relays need to share work without blocking each other.",
+            hint="Use PostgreSQL, MySQL >= 8.0.1 or MariaDB >= 10.6.",
+            id="celery_outbox.E006",
+        )
+    ]
+
+
+@register("celery_outbox", Tags.database)
 def check_migrations(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:

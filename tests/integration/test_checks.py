@@ -116,3 +116,20 @@ def test_business_models_on_another_alias_are_reported() -> None:
     assert "shop.Order" in warning.msg
     assert "'default'" in warning.msg
     assert "auth.User" not in warning.msg  # contrib apps are not business models
+
+
+@pytest.mark.parametrize("alias", ["default", "mysql"])
+def test_skip_locked_support_is_checked_on_the_real_server(alias: str) -> None:
+    from celery_outbox.checks import check_skip_locked
+
+    with override_settings(CELERY_OUTBOX_DATABASE=alias):
+        assert check_skip_locked(databases=[alias]) == []
+        features = connections[alias].features
+        # A server too old to skip locked rows: Django reports it through this feature.
+        features.has_select_for_update_skip_locked = False
+        try:
+            [error] = check_skip_locked(databases=[alias])
+        finally:
+            del features.has_select_for_update_skip_locked
+    assert error.id == "celery_outbox.E006"
+    assert connections[alias].features.has_select_for_update_skip_locked is True
