@@ -66,6 +66,14 @@ class Dialect:
 
     def after(self, seconds: float) -> tuple[str, list[Any]]:
         """SQL (and its parameters) for the database time ``seconds`` from now."""
+        return self.after_expr("%s"), [self.delay_value(seconds)]
+
+    def after_expr(self, delay_sql: str) -> str:
+        """SQL for now plus a delay given as an SQL expression of :meth:`delay_value` values."""
+        raise NotImplementedError
+
+    def delay_value(self, seconds: float) -> Any:
+        """A delay as this vendor's :meth:`after_expr` wants it."""
         raise NotImplementedError
 
     def age_seconds(self, column: str) -> str:
@@ -127,8 +135,11 @@ class PostgresDialect(Dialect):
     def now(self) -> str:
         return "now()"
 
-    def after(self, seconds: float) -> tuple[str, list[Any]]:
-        return "now() + %s * interval '1 second'", [float(seconds)]
+    def after_expr(self, delay_sql: str) -> str:
+        return f"now() + ({delay_sql}) * interval '1 second'"
+
+    def delay_value(self, seconds: float) -> Any:
+        return float(seconds)
 
     def age_seconds(self, column: str) -> str:
         return f"EXTRACT(EPOCH FROM now() - {column})"
@@ -145,10 +156,11 @@ class MySQLDialect(Dialect):
     def now(self) -> str:
         return "UTC_TIMESTAMP(6)"
 
-    def after(self, seconds: float) -> tuple[str, list[Any]]:
-        return "UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND", [
-            round(seconds * 1_000_000)
-        ]
+    def after_expr(self, delay_sql: str) -> str:
+        return f"UTC_TIMESTAMP(6) + INTERVAL ({delay_sql}) MICROSECOND"
+
+    def delay_value(self, seconds: float) -> Any:
+        return round(seconds * 1_000_000)
 
     def age_seconds(self, column: str) -> str:
         return f"TIMESTAMPDIFF(MICROSECOND, {column}, UTC_TIMESTAMP(6)) / 1000000.0"
@@ -191,8 +203,11 @@ class SQLiteDialect(Dialect):
     def now(self) -> str:
         return f"strftime({self._FORMAT}, 'now')"
 
-    def after(self, seconds: float) -> tuple[str, list[Any]]:
-        return f"strftime({self._FORMAT}, 'now', %s)", [f"{seconds:+.6f} seconds"]
+    def after_expr(self, delay_sql: str) -> str:
+        return f"strftime({self._FORMAT}, 'now', {delay_sql})"
+
+    def delay_value(self, seconds: float) -> Any:
+        return f"{seconds:+.6f} seconds"
 
     def age_seconds(self, column: str) -> str:
         return f"(julianday('now') - julianday({column})) * 86400.0"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from django.db import transaction
@@ -192,37 +192,68 @@ class OutboxStore(OperatorQueries):
         *,
         count: bool,
     ) -> int:
-        changed = 0
+        """Put rows back, each with its own delay and reason: one statement for all."""
+        if not decisions:
+            return 0
+        ids = [d.message_id for d in decisions]
+        errors_sql, errors = _case_by_id(
+            {d.message_id: d.error[:4000] for d in decisions}
+        )
+        delays_sql, delays = _case_by_id(
+            {d.message_id: dialect.delay_value(d.delay) for d in decisions}
+        )
         bump = "attempts = attempts + 1, " if count else ""
-        for decision in decisions:
-            after_sql, after_params = dialect.after(decision.delay)
-            cursor.execute(
-                f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = %s, available_at = {after_sql}, "
-                f"lease_token = NULL WHERE id = %s AND lease_token = %s",
-                [decision.error[:4000], *after_params, decision.message_id, token],
-            )
-            changed += int(cursor.rowcount)
-        return changed
+        cursor.execute(
+            f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = {errors_sql}, "
+            f"available_at = {dialect.after_expr(delays_sql)}, lease_token = NULL "
+            f"WHERE lease_token = %s AND id IN ({placeholders(ids)})",
+            [*errors, *delays, token, *ids],
+        )
+        return int(cursor.rowcount)
 
     def _dead_letter(
         self, cursor: Any, dialect: Dialect, token: str, decisions: Sequence[Decision]
     ) -> int:
+        """Move rows to the dead letters: lock the ones still ours, copy, delete.
+
+        Locking first matters: ``INSERT ... SELECT`` does not lock its source rows, so
+        without it a relay that re-claimed a row after its lease ended could publish
+        it while we also dead-letter it.
+        """
+        if not decisions:
+            return 0
+        ids = [d.message_id for d in decisions]
+        cursor.execute(
+            f"SELECT id FROM {MESSAGE_TABLE} WHERE lease_token = %s "
+            f"AND id IN ({placeholders(ids)}) ORDER BY id{self._for_update()}",
+            [token, *ids],
+        )
+        held = [int(row[0]) for row in cursor.fetchall()]
+        if not held:
+            return 0
+        kept = set(held)
+        errors_sql, errors = _case_by_id(
+            {d.message_id: d.error[:4000] for d in decisions if d.message_id in kept}
+        )
         columns = ", ".join(MESSAGE_COLUMNS)
-        moved = 0
-        for decision in decisions:
-            cursor.execute(
-                f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, last_error, "
-                f"created_at, dead_at) SELECT id, {columns}, attempts + 1, %s, created_at, "
-                f"{dialect.now()} FROM {MESSAGE_TABLE} WHERE id = %s AND lease_token = %s",
-                [decision.error[:4000], decision.message_id, token],
-            )
-            if cursor.rowcount:
-                cursor.execute(
-                    f"DELETE FROM {MESSAGE_TABLE} WHERE id = %s AND lease_token = %s",
-                    [decision.message_id, token],
-                )
-                moved += int(cursor.rowcount)
-        return moved
+        cursor.execute(
+            f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, last_error, "
+            f"created_at, dead_at) SELECT id, {columns}, attempts + 1, {errors_sql}, "
+            f"created_at, {dialect.now()} FROM {MESSAGE_TABLE} "
+            f"WHERE id IN ({placeholders(held)}) ORDER BY id",
+            [*errors, *held],
+        )
+        cursor.execute(
+            f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(held)})", held
+        )
+        return len(held)
+
+
+def _case_by_id(values: Mapping[int, Any]) -> tuple[str, list[Any]]:
+    """``CASE id WHEN .. THEN .. END`` choosing a value per row, with its parameters."""
+    whens = " ".join(["WHEN %s THEN %s"] * len(values))
+    params = [item for pair in values.items() for item in pair]
+    return f"CASE id {whens} END", params
 
 
 @contextlib.contextmanager

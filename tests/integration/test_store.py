@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from django.db import connections, transaction
@@ -217,3 +217,46 @@ def test_concurrent_claims_never_share_a_row(alias: str) -> None:
     everything = [row for rows in seen for row in rows]
     assert len(everything) == 400
     assert len(set(everything)) == 400
+
+
+def test_each_outcome_kind_is_one_statement_with_per_row_values(alias: str) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    store = OutboxStore(alias)
+    committed(store, *[f"m{i}" for i in range(6)])
+    claim = store.claim(10, 30)
+    ids = [m.id for m in claim.messages]
+    settlement = Settlement(
+        retry=(
+            Decision(ids[0], Action.RETRY, 0.0, "first"),
+            Decision(ids[1], Action.RETRY, 600.0, "second"),
+        ),
+        release=(Decision(ids[2], Action.RELEASE, 0.0, "outage"),),
+        dead_letter=(
+            Decision(ids[3], Action.DEAD_LETTER, 0.0, "too large"),
+            Decision(ids[4], Action.DEAD_LETTER, 0.0, "no exchange"),
+        ),
+        delete=(ids[5],),
+    )
+    with CaptureQueriesContext(connections[alias]) as queries:
+        report = store.settle(claim.token, settlement)
+    assert (report.retried, report.released, report.dead_lettered, report.deleted) == (
+        2,
+        1,
+        2,
+        1,
+    )
+    updates = [q for q in queries.captured_queries if q["sql"].startswith("UPDATE")]
+    assert len(updates) == 2  # one for the retries, one for the release
+    rows = {r.id: r for r in OutboxMessage.objects.using(alias)}
+    assert (rows[ids[0]].attempts, rows[ids[0]].last_error) == (1, "first")
+    assert (rows[ids[1]].attempts, rows[ids[1]].last_error) == (1, "second")
+    assert rows[ids[1]].available_at - rows[ids[0]].available_at > timedelta(
+        seconds=590
+    )
+    assert (rows[ids[2]].attempts, rows[ids[2]].last_error) == (0, "outage")
+    dead = dict(
+        DeadLetter.objects.using(alias).values_list("original_id", "last_error")
+    )
+    assert dead == {ids[3]: "too large", ids[4]: "no exchange"}
+    assert set(rows) == {ids[0], ids[1], ids[2]}
