@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services browser clean
+.PHONY: demo test lint bench services tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,15 +17,15 @@ demo: $(STAMP)
 services:
 	bash scripts/services.sh
 
-browser:
-	bash scripts/browser.sh
+tools:
+	bash scripts/tools.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: $(STAMP) services browser lint
+test: $(STAMP) services tools lint
 	$(BIN)/python -m pytest
 
 bench: $(STAMP) services

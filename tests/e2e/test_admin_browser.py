@@ -6,7 +6,7 @@ and rows, runs "retry now" through the action form and opens a dead letter. It
 screenshots the outbox changelist (into ``docs/admin-outbox.png`` when
 ``OUTBOX_UPDATE_SCREENSHOT`` is set, else into the test's temporary folder).
 
-Chromium and chromedriver come from Debian (``scripts/browser.sh`` installs them);
+Chromium and chromedriver come from Debian (``scripts/tools.sh`` installs them);
 selenium-manager is never asked to download anything. A browser that cannot start
 fails the test: it is not skipped.
 """
@@ -94,7 +94,7 @@ def browser() -> Iterator[WebDriver]:
     ]
     if missing:
         pytest.fail(
-            f"{' and '.join(missing)} not found: run `bash scripts/browser.sh` "
+            f"{' and '.join(missing)} not found: run `bash scripts/tools.sh` "
             "(apt-get install chromium chromium-driver)",
             pytrace=False,
         )
