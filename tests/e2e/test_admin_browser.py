@@ -42,7 +42,7 @@ from selenium.webdriver.support.wait import WebDriverWait
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.core import Action, Decision, Settlement
 from celery_outbox.store import OutboxStore
-from tests.integration.builders import envelope
+from tests.integration.builders import dead_letter_due, envelope
 
 pytestmark = [
     pytest.mark.e2e,
@@ -183,16 +183,7 @@ def outbox_rows() -> Rows:
     )
     insert(store, "invoice-1", **invoice)
     insert(store, "invoice-2", **invoice)
-    claim = store.claim(10, 30)
-    store.settle(
-        claim.token,
-        Settlement(
-            dead_letter=tuple(
-                Decision(m.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: too big")
-                for m in claim.messages
-            )
-        ),
-    )
+    dead_letter_due(store, 10, "PreconditionFailed: too big")
     retrying = insert(
         store,
         "mail-1",

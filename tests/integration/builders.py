@@ -6,6 +6,8 @@ import uuid
 from typing import Any
 
 from celery_outbox.envelope import Envelope
+from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.store import OutboxStore
 
 
 def envelope(tag: str = "", **overrides: Any) -> Envelope:
@@ -29,3 +31,14 @@ def envelope(tag: str = "", **overrides: Any) -> Envelope:
     }
     values.update(overrides)
     return Envelope(**values)
+
+
+def dead_letter_due(
+    store: OutboxStore, limit: int, reason: str = "PreconditionFailed: too big"
+) -> int:
+    """Claim up to ``limit`` due rows and dead-letter them as the relay would; how many."""
+    claim = store.claim(limit, 30)
+    decisions = tuple(
+        Decision(m.id, Action.DEAD_LETTER, 0.0, reason) for m in claim.messages
+    )
+    return store.settle(claim.token, Settlement(dead_letter=decisions)).dead_lettered

@@ -14,7 +14,7 @@ from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.core import Action, Decision, Settlement
 from celery_outbox.store import OutboxStore
 
-from .builders import envelope
+from .builders import dead_letter_due, envelope
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
@@ -43,16 +43,7 @@ def secret_body(**overrides: object) -> dict[str, object]:
 
 
 def kill_all(store: OutboxStore) -> list[int]:
-    claim = store.claim(100, 30)
-    store.settle(
-        claim.token,
-        Settlement(
-            dead_letter=tuple(
-                Decision(m.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: too big")
-                for m in claim.messages
-            )
-        ),
-    )
+    dead_letter_due(store, 100, "PreconditionFailed: too big")
     return list(DeadLetter.objects.using("default").values_list("id", flat=True))
 
 

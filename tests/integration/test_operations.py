@@ -19,7 +19,7 @@ from celery_outbox.relay.core import Action, Decision, Settlement
 from celery_outbox.store import DeadLetterFilter, OutboxStore
 from celery_outbox.tasks import purge_dead_letters
 
-from .builders import envelope
+from .builders import dead_letter_due, envelope
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
@@ -62,16 +62,7 @@ def kill(store: OutboxStore, *tags: str, task_name: str = "shop.record") -> list
         task_name=task_name,
         headers={"task": task_name, "compression": None},
     )
-    claim = store.claim(len(tags), 30)
-    store.settle(
-        claim.token,
-        Settlement(
-            dead_letter=tuple(
-                Decision(m.id, Action.DEAD_LETTER, 0.0, "PreconditionFailed: big")
-                for m in claim.messages
-            )
-        ),
-    )
+    dead_letter_due(store, len(tags), "PreconditionFailed: big")
     return ids
 
 
