@@ -30,8 +30,9 @@ class StoreBase:
 
     @property
     def dialect(self) -> Dialect:
-        """SQL for this alias's vendor."""
-        return dialect_for(self.connection)
+        """SQL for this alias's vendor (on MySQL this asks the server its version)."""
+        with self._translated():
+            return dialect_for(self.connection)
 
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:
