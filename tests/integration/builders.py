@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
+from django.db import connections
+
 from celery_outbox.envelope import Envelope
 from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.relay.events import StopReason
+from celery_outbox.relay.loop import Relay
 from celery_outbox.store import OutboxStore
 
 
@@ -42,3 +47,21 @@ def dead_letter_due(
         Decision(m.id, Action.DEAD_LETTER, 0.0, reason) for m in claim.messages
     )
     return store.settle(claim.token, Settlement(dead_letter=decisions)).dead_lettered
+
+
+def start_in_thread(
+    relay: Relay, results: list[StopReason] | None = None
+) -> threading.Thread:
+    """Run ``relay.run()`` on a thread that closes its own database connections at the end."""
+
+    def run() -> None:
+        try:
+            reason = relay.run()
+            if results is not None:
+                results.append(reason)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from django.db import connections, transaction
+from django.db import transaction
 
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
@@ -19,7 +18,7 @@ from celery_outbox.relay.events import RelayEvent, StopReason
 from celery_outbox.relay.loop import Cycle, Relay
 from celery_outbox.store import OutboxStore
 
-from .builders import envelope
+from .builders import envelope, start_in_thread
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
@@ -125,14 +124,7 @@ def test_stop_ends_an_idle_wait_at_once(alias: str) -> None:
     relay = relay_for(alias, InMemoryPublisher(), poll_interval=30.0)
     result: list[StopReason] = []
 
-    def run() -> None:
-        try:
-            result.append(relay.run())
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread = start_in_thread(relay, result)
     time.sleep(0.3)
     started = time.monotonic()
     relay.stop()
@@ -192,14 +184,7 @@ def test_the_liveness_file_is_touched_while_idle(alias: str, tmp_path: Path) -> 
         liveness_interval=0.2,
     )
 
-    def run() -> None:
-        try:
-            relay.run()
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread = start_in_thread(relay)
     try:
         deadline = time.monotonic() + 5
         while not path.exists() and time.monotonic() < deadline:

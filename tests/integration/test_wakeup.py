@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connections, transaction
+from django.db import transaction
 
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
@@ -17,6 +16,8 @@ from celery_outbox.relay.loop import Relay
 from celery_outbox.store import OutboxStore
 from celery_outbox.store.notify import PgNotifyListener
 from tests.project.shop.tasks import record
+
+from .builders import start_in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -36,14 +37,7 @@ def idle_relay() -> Iterator[tuple[Relay, InMemoryPublisher]]:
         wakeup=PgNotifyListener("default"),
     )
 
-    def run() -> None:
-        try:
-            relay.run()
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread = start_in_thread(relay)
     time.sleep(0.5)  # let it reach its idle wait
     yield relay, publisher
     relay.stop()
