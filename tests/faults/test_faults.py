@@ -161,7 +161,9 @@ def test_relay_killed_five_times_loses_nothing(e2e: E2E, measured: list[str]) ->
 @pytest.mark.django_db(transaction=True)
 def test_rabbitmq_stopped_mid_drain(e2e: E2E, measured: list[str]) -> None:
     stack = e2e("postgresql")
-    stack.start_worker(concurrency=8)
+    # Prefork, as production workers run: the threads pool shares one py-amqp
+    # connection between threads and can corrupt frames while it reconnects.
+    stack.start_worker(pool="prefork", concurrency=3)
     prefix = f"rmq-{uuid.uuid4().hex[:6]}"
     tags = enqueue(prefix, 3000)
     stack.start_relay("--batch-size", "50", "--broker-outage-cooldown", "1")
