@@ -51,6 +51,8 @@ class OutboxSettings:
     confirm_publish: bool = True
     notify: bool = True
     publish_on_commit: bool = False
+    #: The relay claims its next batch on a second connection while it publishes one.
+    prefetch: bool = True
     statsd_address: str | None = None
     #: Seconds a dead letter is kept before ``purge_dead_letters`` deletes it; None keeps it.
     dead_letter_retention: float | None = None
@@ -79,6 +81,7 @@ _FIELDS = {
     "CONFIRM_PUBLISH": "confirm_publish",
     "NOTIFY": "notify",
     "PUBLISH_ON_COMMIT": "publish_on_commit",
+    "PREFETCH": "prefetch",
     "STATSD_ADDRESS": "statsd_address",
     "DEAD_LETTER_RETENTION": "dead_letter_retention",
     "REDACTOR": "redactor",
@@ -181,6 +184,7 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
             "confirm_publish",
             "notify",
             "publish_on_commit",
+            "prefetch",
             "log_context",
         }:
             if not isinstance(value, bool):

@@ -456,7 +456,9 @@ class OutboxFixture:
         relay = Relay(
             store,
             recording,
-            RelayConfig.from_settings(get_settings(), until_empty=True),
+            # The drain runs inside the test's transaction, which a second
+            # connection could not see: no prefetching.
+            RelayConfig.from_settings(get_settings(), until_empty=True, prefetch=False),
             waiter=waiter,
             listeners=(listen,),
         )

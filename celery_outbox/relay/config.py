@@ -27,6 +27,8 @@ class RelayConfig:
     liveness_interval: float = 5.0
     error_pause: float = 1.0
     min_poll_interval: float = 0.01
+    #: While a full batch is published, claim the next one on a second connection.
+    prefetch: bool = False
 
     @classmethod
     def from_settings(cls, settings: OutboxSettings, **overrides: Any) -> RelayConfig:
@@ -45,6 +47,7 @@ class RelayConfig:
             "lease_seconds": settings.lease_seconds,
             "poll_interval": settings.poll_interval,
             "send_timeout": settings.send_timeout,
+            "prefetch": settings.prefetch,
             "policy": policy,
         }
         unknown = set(given) - {f.name for f in dataclasses.fields(cls)}

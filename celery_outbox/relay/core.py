@@ -7,7 +7,7 @@ passed in, so every rule can be tested directly.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -108,6 +108,37 @@ class Settlement:
             retry=tuple(grouped[Action.RETRY]),
             dead_letter=tuple(grouped[Action.DEAD_LETTER]),
             release=tuple(grouped[Action.RELEASE]),
+        )
+
+    @classmethod
+    def decided(
+        cls,
+        results: Iterable[PublishResult],
+        attempts: Mapping[int, int],
+        policy: RetryPolicy,
+        random: Callable[[], float],
+    ) -> Settlement:
+        """:func:`decide` every result (``attempts``: row id -> attempts used) and group.
+
+        Published rows, nearly all of a normal batch, go straight to ``delete``.
+        """
+        published: list[int] = []
+        others: list[Decision] = []
+        for result in results:
+            if result.outcome is Outcome.PUBLISHED:
+                published.append(result.message_id)
+            else:
+                others.append(
+                    decide(result, attempts[result.message_id], policy, random)
+                )
+        if not others:
+            return cls(delete=tuple(published))
+        rest = cls.of(others)
+        return cls(
+            delete=tuple(published) + rest.delete,
+            retry=rest.retry,
+            dead_letter=rest.dead_letter,
+            release=rest.release,
         )
 
     @property

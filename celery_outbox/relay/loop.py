@@ -13,6 +13,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -20,7 +21,7 @@ from ..broker import Publisher, describe
 from ..exceptions import OutboxDatabaseError
 from ..store import Claim, OutboxStore, SettleReport
 from .config import RelayConfig
-from .core import Breaker, PublishResult, Settlement, decide
+from .core import Action, Breaker, Decision, PublishResult, Settlement
 from .events import (
     BatchHook,
     BatchSettled,
@@ -95,6 +96,9 @@ class Relay:
         self._last_touch = 0.0
         self.wakeup = wakeup
         self._idle_wait = config.min_poll_interval
+        #: Set while :meth:`run` runs with ``config.prefetch`` on a database that
+        #: takes concurrent claims.
+        self._prefetcher: _Prefetcher | None = None
 
     def stop(self) -> None:
         """Ask the loop to finish the current batch and return; safe in a signal handler.
@@ -116,21 +120,30 @@ class Relay:
         """Relay until stopped (or, with ``until_empty``, until nothing is due)."""
         with self.store.relay_lock():
             logger.info("relay started (database %r)", self.store.alias)
-            while not self._stopping:
-                self._touch_liveness()
-                cycle = self.run_once()
-                if cycle is Cycle.FULL:
-                    continue
-                if self.config.until_empty and cycle in (Cycle.EMPTY, Cycle.PARTIAL):
-                    if self.run_once() is Cycle.EMPTY:
-                        return StopReason.EMPTY
-                    continue
-                seconds = self._pause_seconds(cycle)
-                emit(self.listeners, Idle(seconds))
-                self._pause(seconds, woken_by_rows=cycle is not Cycle.PAUSED)
+            if self.config.prefetch and self.store.dialect.concurrent_claims:
+                self._prefetcher = _Prefetcher(self.store, self.clock)
+            try:
+                reason = self._loop()
+            finally:
+                self._close_prefetcher()
         self.publisher.close()
         if self.wakeup is not None:
             self.wakeup.close()
+        return reason
+
+    def _loop(self) -> StopReason:
+        while not self._stopping:
+            self._touch_liveness()
+            cycle = self.run_once()
+            if cycle is Cycle.FULL:
+                continue
+            if self.config.until_empty and cycle in (Cycle.EMPTY, Cycle.PARTIAL):
+                if self.run_once() is Cycle.EMPTY:
+                    return StopReason.EMPTY
+                continue
+            seconds = self._pause_seconds(cycle)
+            emit(self.listeners, Idle(seconds))
+            self._pause(seconds, woken_by_rows=cycle is not Cycle.PAUSED)
         return StopReason.SIGNAL
 
     def run_once(self) -> Cycle:
@@ -138,46 +151,59 @@ class Relay:
         if self._unsettled is not None and not self._retry_settlement():
             return Cycle.PAUSED
         if self.breaker.is_open(self.clock()):
+            self._hand_back_prefetched()
             return Cycle.PAUSED
-        started = self.clock()
         try:
-            claim = self.store.claim(self.config.batch_size, self.config.lease_seconds)
+            leased_at, claim = self._next_claim()
         except OutboxDatabaseError as exc:
             self._database_failed("claim", exc)
             return Cycle.PAUSED
-        if not self.process(claim, started):
-            return Cycle.EMPTY
         full = len(claim.messages) >= self.config.batch_size
+        if full and self._prefetcher is not None and not self._stopping:
+            # Busy: claim the next batch while this one goes to the broker.
+            self._prefetcher.start(self.config.batch_size, self.config.lease_seconds)
+        if not self.process(claim, leased_at=leased_at):
+            return Cycle.EMPTY
         return Cycle.FULL if full else Cycle.PARTIAL
 
-    def process(self, claim: Claim, started: float | None = None) -> int:
-        """Publish, decide and settle claimed rows; returns how many were claimed."""
+    def process(
+        self,
+        claim: Claim,
+        started: float | None = None,
+        *,
+        leased_at: float | None = None,
+    ) -> int:
+        """Publish, decide and settle claimed rows; returns how many were claimed.
+
+        ``started`` is when the batch's send timeout starts (default: now);
+        ``leased_at`` when its lease was taken (default: ``started``).
+        """
         started = self.clock() if started is None else started
+        leased_at = started if leased_at is None else leased_at
         if claim.unreadable:
             self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
         if not claim.messages:
             return 0
         if not self.batch_hooks:
-            self._publish_batch(claim, started)
+            self._publish_batch(claim, started, leased_at)
         else:
             with contextlib.ExitStack() as hooks:
                 for hook in self.batch_hooks:
                     hooks.enter_context(guarded(hook, claim.messages))
-                self._publish_batch(claim, started)
+                self._publish_batch(claim, started, leased_at)
         return len(claim.messages)
 
-    def _publish_batch(self, claim: Claim, started: float) -> None:
+    def _publish_batch(self, claim: Claim, started: float, leased_at: float) -> None:
         """Publish claimed rows, decide, settle and emit :class:`BatchSettled`."""
         budget = _BatchBudget(
-            self, claim.token, [m.id for m in claim.messages], started
+            self, claim.token, [m.id for m in claim.messages], started, leased_at
         )
         publish_started = self.clock()
         results = self.publisher.publish(claim.messages, budget)
         publish_seconds = self.clock() - publish_started
         attempts = {m.id: m.attempts for m in claim.messages}
-        settlement = Settlement.of(
-            decide(r, attempts[r.message_id], self.config.policy, self.random)
-            for r in results
+        settlement = Settlement.decided(
+            results, attempts, self.config.policy, self.random
         )
         self._note_breaker(results)
         report = self._settle(claim.token, settlement)
@@ -193,6 +219,50 @@ class Relay:
             emit(self.listeners, event)
 
     # -- internals -------------------------------------------------------------
+
+    def _next_claim(self) -> tuple[float, Claim]:
+        """The prefetched claim if one is waiting and still fresh, else a new claim."""
+        if self._prefetcher is not None:
+            taken = self._prefetcher.take()
+            if taken is not None:
+                leased_at, claim = taken
+                # Normally a few milliseconds old; one that waited out half its lease
+                # (a slow settlement) goes back rather than risk a lapsed lease.
+                if self.clock() - leased_at < self.config.lease_seconds / 2:
+                    return leased_at, claim
+                self._hand_back(claim)
+        leased_at = self.clock()
+        return leased_at, self.store.claim(
+            self.config.batch_size, self.config.lease_seconds
+        )
+
+    def _hand_back(self, claim: Claim) -> None:
+        """Release claimed rows unsent (no attempt used); unreadable rows still go dead."""
+        release = tuple(Decision(m.id, Action.RELEASE) for m in claim.messages)
+        self._settle(
+            claim.token, Settlement(dead_letter=claim.unreadable, release=release)
+        )
+
+    def _hand_back_prefetched(self) -> None:
+        if self._prefetcher is None:
+            return
+        try:
+            taken = self._prefetcher.take()
+        except OutboxDatabaseError as exc:
+            self._database_failed("claim", exc)
+            return
+        if taken is not None:
+            self._hand_back(taken[1])
+
+    def _close_prefetcher(self) -> None:
+        if self._prefetcher is None:
+            return
+        try:
+            if self._unsettled is None:
+                self._hand_back_prefetched()
+        finally:
+            self._prefetcher.close()
+            self._prefetcher = None
 
     def _settle(self, token: str, settlement: Settlement) -> SettleReport | None:
         try:
@@ -270,13 +340,18 @@ class _BatchBudget:
     """The relay's side of a batch: stop on shutdown, keep the lease, stay live."""
 
     def __init__(
-        self, relay: Relay, token: str, ids: list[int], started: float
+        self,
+        relay: Relay,
+        token: str,
+        ids: list[int],
+        started: float,
+        leased_at: float,
     ) -> None:
         self._relay = relay
         self._token = token
         self._ids = ids
         self._started = started
-        self._renewed = started
+        self._renewed = leased_at
 
     def keep_going(self) -> bool:
         relay = self._relay
@@ -298,3 +373,46 @@ class _BatchBudget:
         if relay._stop_at is not None:
             deadline = min(deadline, relay._stop_at + relay.config.shutdown_timeout)
         return deadline
+
+
+class _Prefetcher:
+    """Claims the next batch on a thread (and so a database connection) of its own.
+
+    While the relay publishes a full batch, the next claim's round trip and commit
+    run here, so the broker and the database work at the same time instead of in
+    turn. At most one claim is ever pending.
+    """
+
+    def __init__(self, store: OutboxStore, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._clock = clock
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="outbox-prefetch"
+        )
+        self._pending: Future[tuple[float, Claim]] | None = None
+
+    def start(self, limit: int, lease_seconds: float) -> None:
+        """Begin claiming up to ``limit`` rows, unless a claim is already pending."""
+        if self._pending is None:
+            self._pending = self._executor.submit(self._claim, limit, lease_seconds)
+
+    def take(self) -> tuple[float, Claim] | None:
+        """The pending claim and when it was leased (waiting for it); None if none.
+
+        Raises :class:`OutboxDatabaseError` when that claim failed.
+        """
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Wait for a pending claim, then close this thread's database connection."""
+        self._executor.submit(self._store.reset_connection)
+        self._executor.shutdown(wait=True)
+
+    def _claim(self, limit: int, lease_seconds: float) -> tuple[float, Claim]:
+        leased_at = self._clock()
+        try:
+            return leased_at, self._store.claim(limit, lease_seconds)
+        except OutboxDatabaseError:
+            self._store.reset_connection()  # this thread's connection
+            raise

@@ -90,6 +90,36 @@ def test_settlement_groups_decisions_by_action() -> None:
     assert settlement.size == 5
 
 
+def test_settlement_decided_from_results_matches_deciding_each_row() -> None:
+    results = [
+        PublishResult(1, Outcome.PUBLISHED),
+        PublishResult(2, Outcome.FAILED, "refused"),
+        PublishResult(3, Outcome.PUBLISHED),
+        PublishResult(4, Outcome.FAILED, "too large"),
+        PublishResult(5, Outcome.OUTAGE, "down"),
+        PublishResult(6, Outcome.NOT_SENT),
+    ]
+    attempts = {1: 0, 2: 0, 3: 5, 4: 2, 5: 2, 6: 0}
+    settlement = Settlement.decided(results, attempts, POLICY, high)
+    assert settlement == Settlement(
+        delete=(1, 3),
+        retry=(Decision(2, Action.RETRY, 2.0, "refused"),),
+        dead_letter=(Decision(4, Action.DEAD_LETTER, 0.0, "too large"),),
+        release=(
+            Decision(5, Action.RELEASE, 7.0, "down"),
+            Decision(6, Action.RELEASE, 0.0, ""),
+        ),
+    )
+    assert settlement == Settlement.of(
+        decide(r, attempts[r.message_id], POLICY, high) for r in results
+    )
+
+
+def test_an_all_published_batch_is_one_delete() -> None:
+    results = [PublishResult(i, Outcome.PUBLISHED) for i in (7, 8, 9)]
+    assert Settlement.decided(results, {}, POLICY, low) == Settlement(delete=(7, 8, 9))
+
+
 def outage(n: int) -> list[PublishResult]:
     return [PublishResult(i, Outcome.OUTAGE, "down") for i in range(n)]
 
