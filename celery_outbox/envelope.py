@@ -8,7 +8,7 @@ rebuilding anything.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -78,6 +78,61 @@ class StoredMessage:
 def dump_json(value: Any) -> str:
     """Encode headers or properties; kombu's encoder keeps datetimes, UUIDs and decimals."""
     return str(kombu_json.dumps(value))
+
+
+class JsonObject(Mapping[str, Any]):
+    """A stored JSON object (headers, properties), decoded on first use.
+
+    The relay claims every row's headers; a publisher that sends them as text
+    (Redis) never pays for decoding and encoding them again.
+    """
+
+    __slots__ = ("_text", "_value")
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._value: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        """The JSON text, as stored."""
+        return self._text
+
+    @property
+    def value(self) -> dict[str, Any]:
+        """The decoded object (decoded once, then kept)."""
+        if self._value is None:
+            decoded = load_json(self._text)
+            if not isinstance(decoded, dict):
+                raise ValueError(f"expected a JSON object, got {self._text[:80]!r}")
+            self._value = decoded
+        return self._value
+
+    def __getitem__(self, key: str) -> Any:
+        return self.value[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.value)
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __repr__(self) -> str:
+        return f"JsonObject({self._text!r})"
+
+
+def as_dict(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A new dict with the items of ``mapping`` (decoding a :class:`JsonObject` once)."""
+    if isinstance(mapping, JsonObject):
+        return dict(mapping.value)
+    return dict(mapping)
+
+
+def json_text(mapping: Mapping[str, Any]) -> str:
+    """``mapping`` as stored JSON: a :class:`JsonObject`'s own text, else encoded."""
+    if isinstance(mapping, JsonObject):
+        return mapping.text
+    return dump_json(dict(mapping))
 
 
 def load_json(text: str) -> Any:

@@ -1,8 +1,8 @@
 """The broker behind one small interface: :class:`Publisher`.
 
 ``build_publisher`` picks the implementation for the app's broker URL: batched
-publisher confirms on RabbitMQ (py-amqp), kombu's producer (with Redis pipelines)
-for every other transport. :class:`InMemoryPublisher` is the fake for tests.
+publisher confirms on RabbitMQ (py-amqp), one pipeline per batch on Redis, kombu's
+producer for every other transport. :class:`InMemoryPublisher` is the fake for tests.
 """
 
 from __future__ import annotations
@@ -64,15 +64,21 @@ def build_publisher(app: Any, settings: OutboxSettings) -> Publisher:
             connect_timeout=settings.send_timeout, transport_options=options
         )
 
+    if driver == "redis":
+        from .redis import RedisPublisher
+
+        return RedisPublisher(connect, resolve_queue)
     return KombuPublisher(connect, resolve_queue)
 
 
 if TYPE_CHECKING:  # every publisher implements the interface; mypy checks it here
     from .amqp import AmqpPublisher
     from .kombu import KombuPublisher
+    from .redis import RedisPublisher
 
     _conforms: tuple[type[Publisher], ...] = (
         AmqpPublisher,
         KombuPublisher,
+        RedisPublisher,
         InMemoryPublisher,
     )

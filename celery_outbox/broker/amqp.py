@@ -17,7 +17,7 @@ from typing import Any
 import amqp
 import amqp.exceptions as amqp_errors
 
-from ..envelope import StoredMessage
+from ..envelope import StoredMessage, as_dict
 from ..relay.core import Outcome, PublishResult
 from .base import Budget, all_with, describe, envelope_properties, is_outage
 
@@ -264,7 +264,7 @@ class AmqpPublisher:
             envelope.body,
             content_type=envelope.content_type,
             content_encoding=envelope.content_encoding,
-            application_headers=dict(envelope.headers),
+            application_headers=as_dict(envelope.headers),
             priority=envelope.priority,
             **envelope_properties(message),
         )

@@ -6,7 +6,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ..envelope import StoredMessage
+from ..envelope import StoredMessage, as_dict
 from ..relay.core import Outcome, PublishResult
 
 
@@ -104,6 +104,6 @@ def all_with(
 
 def envelope_properties(message: StoredMessage) -> dict[str, Any]:
     """AMQP properties of a stored message, without the ones passed separately."""
-    properties = dict(message.envelope.properties)
+    properties = as_dict(message.envelope.properties)
     properties.pop("priority", None)
     return properties

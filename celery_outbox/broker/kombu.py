@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..envelope import StoredMessage
+from ..envelope import StoredMessage, as_dict
 from ..relay.core import Outcome, PublishResult
 from .base import Budget, all_with, describe, envelope_properties, is_outage
 
@@ -103,15 +103,21 @@ class KombuPublisher:
             self._producer = connection.Producer(auto_declare=False)
         return self._producer
 
-    def _declare(self, producer: Any, names: Sequence[str]) -> None:
-        """Declare the message's queues once per connection, before its first publish."""
+    def _declare(self, producer: Any, names: Sequence[str]) -> bool:
+        """Declare the message's queues once per connection, before its first publish.
+
+        Returns whether anything was declared now.
+        """
+        declared = False
         for name in names:
             if name in self._declared:
                 continue
             queue = self._resolve_queue(name)
             if queue is not None:
                 producer.maybe_declare(queue, retry=False)
+                declared = True
             self._declared.add(name)
+        return declared
 
     def _connection_errors(self) -> tuple[type[BaseException], ...]:
         if self._connection is None:
@@ -130,7 +136,7 @@ class KombuPublisher:
             routing_key=envelope.routing_key,
             content_type=envelope.content_type,
             content_encoding=envelope.content_encoding,
-            headers=dict(envelope.headers),
+            headers=as_dict(envelope.headers),
             priority=envelope.priority,
             retry=False,
             expiration=None if expiration_ms is None else int(expiration_ms) / 1000,

@@ -17,10 +17,12 @@ from django.db import transaction
 from ..envelope import (
     PAYLOAD_VERSION,
     Envelope,
+    JsonObject,
     StoredMessage,
     check_payload_version,
     dump_json,
     dump_log_context,
+    json_text,
     load_json,
     load_log_context,
 )
@@ -287,8 +289,8 @@ def _message_values(envelope: Envelope) -> list[Any]:
         envelope.body,
         envelope.content_type,
         envelope.content_encoding,
-        dump_json(dict(envelope.headers)),
-        dump_json(dict(envelope.properties)),
+        json_text(envelope.headers),
+        json_text(envelope.properties),
         dump_json(list(envelope.declare)),
         envelope.arguments_preview,
         dump_log_context(envelope.log_context),
@@ -311,28 +313,51 @@ def _declare_queues(text: str) -> tuple[str, ...]:
 
 
 def _stored_message(row: Sequence[Any]) -> StoredMessage:
-    *columns, age = row
-    values = dict(zip(("id", "attempts", *MESSAGE_COLUMNS), columns, strict=True))
-    check_payload_version(int(values["payload_version"]), int(values["id"]))
+    """A claimed row (CLAIM_COLUMNS, then its age) as a message; runs for every row.
+
+    Unpacked by position (the hot path); tests/unit/test_store_rows.py holds it to
+    CLAIM_COLUMNS.
+    """
+    (
+        row_id,
+        attempts,
+        task_id,
+        task_name,
+        queue,
+        exchange,
+        routing_key,
+        ordering_key,
+        payload_version,
+        body,
+        content_type,
+        content_encoding,
+        headers,
+        properties,
+        declare_queues,
+        arguments_preview,
+        log_context,
+        age,
+    ) = row
+    check_payload_version(int(payload_version), int(row_id))
     envelope = Envelope(
-        task_id=values["task_id"],
-        task_name=values["task_name"],
-        exchange=values["exchange"],
-        routing_key=values["routing_key"],
-        body=bytes(values["body"]),
-        content_type=values["content_type"],
-        content_encoding=values["content_encoding"],
-        headers=load_json(values["headers"]),
-        properties=load_json(values["properties"]),
-        declare=_declare_queues(values["declare_queues"]),
-        queue=values["queue"],
-        arguments_preview=values["arguments_preview"],
-        ordering_key=values["ordering_key"],
-        log_context=load_log_context(values["log_context"]),
+        task_id=task_id,
+        task_name=task_name,
+        exchange=exchange,
+        routing_key=routing_key,
+        body=bytes(body),
+        content_type=content_type,
+        content_encoding=content_encoding,
+        headers=JsonObject(headers),
+        properties=JsonObject(properties),
+        declare=_declare_queues(declare_queues),
+        queue=queue,
+        arguments_preview=arguments_preview,
+        ordering_key=ordering_key,
+        log_context=load_log_context(log_context),
     )
     return StoredMessage(
-        int(values["id"]),
-        int(values["attempts"]),
+        int(row_id),
+        int(attempts),
         envelope,
         age_seconds=None if age is None else max(0.0, float(age)),
     )

@@ -1,0 +1,292 @@
+"""The Redis publisher writes exactly what kombu's own Redis transport writes.
+
+Each case publishes the same stored messages once through kombu's ``Producer`` (the
+reference) and once through :class:`RedisPublisher`, then compares every Redis list
+the two left behind: same keys (queues, priority lists, key prefix), same JSON
+documents, except the delivery tag, which is fresh for every publish.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Queue
+
+from celery_outbox.broker import FixedBudget
+from celery_outbox.broker.kombu import KombuPublisher
+from celery_outbox.broker.redis import RedisPublisher, direct_path_available
+from celery_outbox.envelope import JsonObject, StoredMessage, dump_json
+from celery_outbox.relay.core import Outcome
+
+from ..conftest import BROKER_REDIS
+from .builders import envelope
+
+UUID4 = re.compile(
+    r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$"
+)
+
+
+@dataclass
+class Names:
+    """One test's queue, exchange and key prefix, all unique to it."""
+
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+
+    @property
+    def queue(self) -> str:
+        return f"outbox-redis-{self.tag}"
+
+    @property
+    def exchange(self) -> str:
+        return f"outbox-redis-ex-{self.tag}"
+
+    @property
+    def prefix(self) -> str:
+        return f"outbox-prefix-{self.tag}:"
+
+
+@pytest.fixture
+def names() -> Iterator[Names]:
+    found = Names()
+    yield found
+    client = redis.Redis.from_url(BROKER_REDIS)
+    keys = list(client.scan_iter(match=f"*{found.tag}*"))
+    if keys:
+        client.delete(*keys)
+
+
+def snapshot(tag: str) -> dict[str, list[dict[str, Any]]]:
+    """Every list whose name holds ``tag``: its decoded entries, delivery tags checked and dropped."""
+    client = redis.Redis.from_url(BROKER_REDIS)
+    lists: dict[str, list[dict[str, Any]]] = {}
+    for key in client.scan_iter(match=f"*{tag}*"):
+        if client.type(key) != b"list":
+            continue
+        entries = []
+        for raw in client.lrange(key, 0, -1):
+            document = json.loads(raw)
+            delivery_tag = document["properties"].pop("delivery_tag")
+            assert UUID4.match(delivery_tag), delivery_tag
+            entries.append(document)
+        lists[key.decode()] = entries
+        client.delete(key)
+    return lists
+
+
+def publish_both(
+    names: Names,
+    messages: list[StoredMessage],
+    resolve: Callable[[str], Any],
+    transport_options: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what kombu's Producer left in Redis, what RedisPublisher left) for ``messages``."""
+    left = []
+    for kind in (KombuPublisher, RedisPublisher):
+        publisher = kind(
+            lambda: Connection(BROKER_REDIS, transport_options=transport_options or {}),
+            resolve,
+        )
+        try:
+            results = publisher.publish(messages, FixedBudget(time.monotonic() + 10))
+        finally:
+            publisher.close()
+        assert {r.outcome for r in results} == {Outcome.PUBLISHED}
+        left.append(snapshot(names.tag))
+    return left[0], left[1]
+
+
+def stored(names: Names, *envelopes: Any) -> list[StoredMessage]:
+    return [StoredMessage(i + 1, 0, e) for i, e in enumerate(envelopes)]
+
+
+def test_the_direct_path_is_taken_with_the_installed_kombu() -> None:
+    with Connection(BROKER_REDIS) as conn:
+        assert direct_path_available(conn.default_channel)
+
+
+def test_default_exchange_messages_match_kombu(names: Names) -> None:
+    queue = names.queue
+    messages = stored(
+        names,
+        envelope("plain", routing_key=queue, declare=(queue,), queue=queue),
+        envelope(
+            "no-mode",
+            routing_key=queue,
+            declare=(queue,),
+            properties={"correlation_id": "c-1", "reply_to": "replies"},
+        ),
+        envelope(
+            "expiring",
+            routing_key=queue,
+            declare=(queue,),
+            properties={
+                "correlation_id": "c-2",
+                "delivery_mode": 2,
+                "expiration": "60000",
+            },
+        ),
+        envelope(
+            "binary",
+            routing_key=queue,
+            declare=(queue,),
+            body=bytes(range(256)),
+            content_type="application/x-python-serialize",
+            content_encoding="binary",
+        ),
+        envelope(
+            "unicode",
+            routing_key=queue,
+            declare=(queue,),
+            headers={"id": "u", "argsrepr": "('žluťoučký kůň', '✓')", "eta": None},
+        ),
+    )
+    reference, ours = publish_both(names, messages, lambda n: Queue(n, routing_key=n))
+    assert list(reference) == [queue]
+    assert ours == reference
+
+
+def test_priorities_land_in_kombus_priority_lists(names: Names) -> None:
+    queue = names.queue
+    messages = stored(
+        names,
+        *(
+            envelope(
+                f"p{priority}",
+                routing_key=queue,
+                declare=(queue,),
+                properties={"delivery_mode": 2, "priority": priority},
+            )
+            for priority in (0, 1, 3, 5, 8, 9)
+        ),
+    )
+    reference, ours = publish_both(
+        names, messages, lambda n: Queue(n, routing_key=n, max_priority=9)
+    )
+    assert len(reference) == 4  # kombu's default steps: 0, 3, 6, 9
+    assert ours == reference
+
+
+def test_a_named_exchange_routes_through_its_bindings(names: Names) -> None:
+    exchange = Exchange(names.exchange, type="direct")
+    queue = Queue(names.queue, exchange, routing_key="mail.receipt")
+    messages = stored(
+        names,
+        envelope(
+            "routed",
+            exchange=names.exchange,
+            routing_key="mail.receipt",
+            declare=(names.queue,),
+        ),
+    )
+    reference, ours = publish_both(names, messages, lambda n: queue)
+    assert list(reference) == [names.queue]
+    assert ours == reference
+
+
+def test_a_global_key_prefix_is_kept(names: Names) -> None:
+    queue = names.queue
+    messages = stored(names, envelope("prefixed", routing_key=queue, declare=(queue,)))
+    reference, ours = publish_both(
+        names,
+        messages,
+        lambda n: Queue(n, routing_key=n),
+        {"global_keyprefix": names.prefix},
+    )
+    assert list(reference) == [names.prefix + queue]
+    assert ours == reference
+
+
+def test_stored_header_text_is_sent_as_it_is(names: Names) -> None:
+    """Headers claimed from the table are never decoded: their text goes out unchanged."""
+    queue = names.queue
+    text = dump_json({"id": "t-1", "task": "shop.record", "nested": {"a": [1, 2.5]}})
+    message = StoredMessage(
+        1,
+        0,
+        envelope("text", routing_key=queue, declare=(queue,), headers=JsonObject(text)),
+    )
+    publisher = RedisPublisher(lambda: Connection(BROKER_REDIS), lambda n: Queue(n))
+    try:
+        results = publisher.publish([message], FixedBudget(time.monotonic() + 10))
+    finally:
+        publisher.close()
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED]
+    (raw,) = redis.Redis.from_url(BROKER_REDIS).lrange(queue, 0, -1)
+    assert f'"headers": {text}, '.encode() in raw
+
+
+def test_a_fanout_exchange_goes_through_kombu(names: Names) -> None:
+    """Fanout on Redis is PUBLISH to subscribers: the publisher hands it to kombu."""
+    exchange = Exchange(names.exchange, type="fanout")
+    queue = Queue(names.queue, exchange)
+    client = redis.Redis.from_url(BROKER_REDIS)
+    subscriber = client.pubsub()
+    subscriber.psubscribe(f"*{names.exchange}*")
+    assert subscriber.get_message(timeout=2)["type"] == "psubscribe"
+    message = StoredMessage(
+        1,
+        0,
+        envelope(
+            "fan", exchange=names.exchange, routing_key="", declare=(names.queue,)
+        ),
+    )
+    publisher = RedisPublisher(lambda: Connection(BROKER_REDIS), lambda n: queue)
+    try:
+        results = publisher.publish([message], FixedBudget(time.monotonic() + 10))
+    finally:
+        publisher.close()
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED]
+    received = subscriber.get_message(timeout=5)
+    subscriber.close()
+    assert received is not None and received["type"] == "pmessage"
+    document = json.loads(received["data"])
+    assert document["headers"]["id"] == message.envelope.task_id
+    assert snapshot(names.tag) == {}
+
+
+def test_a_batch_stops_when_the_budget_says_so(names: Names) -> None:
+    queue = names.queue
+    messages = stored(
+        names,
+        *(envelope(f"m{i}", routing_key=queue, declare=(queue,)) for i in range(5)),
+    )
+
+    class StopAfterTwo(FixedBudget):
+        calls = 0
+
+        def keep_going(self) -> bool:
+            self.calls += 1
+            return self.calls <= 2
+
+    publisher = RedisPublisher(lambda: Connection(BROKER_REDIS), lambda n: Queue(n))
+    try:
+        results = publisher.publish(messages, StopAfterTwo(time.monotonic() + 10))
+    finally:
+        publisher.close()
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED] * 2 + [
+        Outcome.NOT_SENT
+    ] * 3
+    assert redis.Redis.from_url(BROKER_REDIS).llen(queue) == 2
+
+
+def test_an_unreachable_redis_is_an_outage() -> None:
+    publisher = RedisPublisher(
+        lambda: Connection(
+            "redis://127.0.0.1:1/0",
+            connect_timeout=1,
+            transport_options={"socket_connect_timeout": 1},
+        ),
+        lambda name: Queue(name),
+    )
+    results = publisher.publish(
+        [StoredMessage(1, 0, envelope("x"))], FixedBudget(time.monotonic() + 5)
+    )
+    assert [r.outcome for r in results] == [Outcome.OUTAGE]
