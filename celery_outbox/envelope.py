@@ -111,6 +111,10 @@ class JsonObject(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         return self.value[key]
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """``value.get``, without going through ``__getitem__``."""
+        return self.value.get(key, default)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.value)
 

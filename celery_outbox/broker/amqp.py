@@ -16,6 +16,8 @@ from typing import Any
 
 import amqp
 import amqp.exceptions as amqp_errors
+from amqp import spec
+from amqp.method_framing import frame_writer
 
 from ..envelope import StoredMessage, as_dict
 from ..relay.core import Outcome, PublishResult
@@ -67,6 +69,93 @@ class _Confirms:
         return bool(self.by_tag)
 
 
+class HeldFrames:
+    """A py-amqp frame writer that holds a batch's ``basic.publish`` frames, then sends
+    them in a few large writes instead of one socket write per message.
+
+    py-amqp takes it as its ``frame_writer`` (a documented connection argument). Any
+    other method (a declaration, ``channel.close``...) first sends what is held, so
+    frames always leave in order; nothing is held while the relay waits for replies.
+    """
+
+    #: Send what is held once it reaches this many bytes.
+    FLUSH_AT = 256 * 1024
+
+    def __init__(self) -> None:
+        self._holding = False
+        self._this_frame_held = False
+        self._held = bytearray()
+        self._transport: Any = None
+
+    def __call__(self, connection: Any, transport: Any) -> Callable[..., Any]:
+        """The writer for a new connection (py-amqp calls this when it connects)."""
+        self._transport = transport
+        self._held.clear()
+        standard = frame_writer(connection, self)
+
+        def write_frame(
+            type_: int, channel: int, method_sig: Any, args: Any, content: Any
+        ) -> Any:
+            held = self._holding and method_sig == spec.Basic.Publish
+            if not held:
+                self.flush()
+            self._this_frame_held = held
+            try:
+                return standard(type_, channel, method_sig, args, content)
+            finally:
+                self._this_frame_held = False
+
+        return write_frame
+
+    def write(self, data: Any) -> None:
+        """What the standard writer calls with each encoded frame."""
+        if not self._this_frame_held:
+            self._transport.write(data)
+            return
+        self._held += data
+        if len(self._held) >= self.FLUSH_AT:
+            self.flush()
+
+    def hold(self) -> None:
+        """Hold ``basic.publish`` frames from now on."""
+        self._holding = True
+
+    def release(self, timeout: float | None = None) -> None:
+        """Stop holding and send what is held, within ``timeout`` seconds."""
+        self._holding = False
+        if self._held and timeout is not None:
+            with self._transport.having_timeout(timeout):
+                self.flush()
+        self.flush()
+
+    def discard(self) -> None:
+        """Stop holding and drop what is held (the batch failed before it was sent)."""
+        self._holding = False
+        self._held.clear()
+
+    def flush(self) -> None:
+        """Send what is held now."""
+        if self._held:
+            data = bytes(self._held)
+            self._held.clear()
+            self._transport.write(data)
+
+
+def _skip_poll_before_each_publish(connection: Any) -> None:
+    """Stop py-amqp reading the socket before every publish on ``connection``.
+
+    When ``connection.blocked`` was negotiated, py-amqp tries a non-blocking read
+    before each ``basic_publish`` to notice a "blocked" notification early: three
+    system calls a message, a quarter of the relay's time. The relay reads the socket
+    after every batch anyway (for the confirms), where py-amqp handles such a
+    notification, so only this client-side check is turned off; the broker still
+    sends the notifications.
+    """
+    capabilities = getattr(connection, "client_properties", {}).get("capabilities")
+    if isinstance(capabilities, dict):
+        capabilities["connection.blocked"] = False
+
+
 def _about_declaration(exc: amqp_errors.AMQPError) -> bool:
     """Whether a channel error answers an exchange or queue declaration (the probe's)."""
     method = str(getattr(exc, "method_name", "") or "")
@@ -96,6 +185,7 @@ class AmqpPublisher:
         self._confirms = _Confirms()
         self._declared: set[str] = set()
         self._exchanges: set[str] = {""}
+        self._frames = HeldFrames()
 
     # -- Publisher -------------------------------------------------------------
 
@@ -152,24 +242,30 @@ class AmqpPublisher:
         channel = self._open_channel()
         # Delivery tags count every publish on the channel since confirm_select.
         confirms = self._confirms = _Confirms(self._next_tag)
-        for message in messages:
-            if not budget.keep_going():
-                confirms.results[message.id] = PublishResult(
-                    message.id, Outcome.NOT_SENT
-                )
-                continue
-            failure = self._prepare_route(message)
-            if failure is not None:
-                confirms.results[message.id] = failure
-                continue
-            self._send(channel, message, budget.deadline())
-            if self._confirm:
-                confirms.sent(message)
-                self._next_tag = confirms.next_tag
-            else:
-                confirms.results[message.id] = PublishResult(
-                    message.id, Outcome.PUBLISHED
-                )
+        self._frames.hold()
+        try:
+            for message in messages:
+                if not budget.keep_going():
+                    confirms.results[message.id] = PublishResult(
+                        message.id, Outcome.NOT_SENT
+                    )
+                    continue
+                failure = self._prepare_route(message)
+                if failure is not None:
+                    confirms.results[message.id] = failure
+                    continue
+                self._send(channel, message)
+                if self._confirm:
+                    confirms.sent(message)
+                    self._next_tag = confirms.next_tag
+                else:
+                    confirms.results[message.id] = PublishResult(
+                        message.id, Outcome.PUBLISHED
+                    )
+        except BaseException:
+            self._frames.discard()
+            raise
+        self._frames.release(max(budget.deadline() - time.monotonic(), 0.001))
         self._await(budget)
         return confirms.results
 
@@ -202,7 +298,14 @@ class AmqpPublisher:
             return self._channel
         if self._connection is None:
             connection = self._connect()
+            # py-amqp builds its frame writer with this when it connects (a new
+            # dict: the one given may be shared with the app's other connections).
+            connection.transport_options = {
+                **(connection.transport_options or {}),
+                "frame_writer": self._frames,
+            }
             connection.ensure_connection(max_retries=0)
+            _skip_poll_before_each_publish(connection.connection)
             self._connection = connection
         channel = self._connection.connection.channel()
         if self._confirm:
@@ -258,7 +361,8 @@ class AmqpPublisher:
             self._probe = self._connection.connection.channel()
         return self._probe
 
-    def _send(self, channel: Any, message: StoredMessage, deadline: float) -> None:
+    def _send(self, channel: Any, message: StoredMessage) -> None:
+        """Encode one publish; its frames are held until the batch is released."""
         envelope = message.envelope
         body = amqp.Message(
             envelope.body,
@@ -273,23 +377,32 @@ class AmqpPublisher:
             exchange=envelope.exchange,
             routing_key=envelope.routing_key,
             mandatory=self._mandatory,
-            timeout=max(deadline - time.monotonic(), 0.001),
         )
 
     def _await(self, budget: Budget) -> None:
-        """Wait for every confirm, in slices so the relay can heartbeat meanwhile."""
+        """Wait for every confirm, in slices of at most a second so the relay can
+        touch its liveness file and renew leases meanwhile.
+
+        The socket's timeout is set once per slice, not once per frame read: acks
+        arrive as many small frames, and each timeout change is a system call.
+        """
         confirms = self._confirms
+        connection = self._connection.connection
         while confirms.waiting:
-            budget.keep_going()  # lets the relay touch its liveness file and renew leases
+            budget.keep_going()
             remaining = budget.deadline() - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
                     "publisher confirms did not arrive before the send timeout"
                 )
-            try:
-                self._connection.connection.drain_events(timeout=min(remaining, 1.0))
-            except TimeoutError:
-                continue
+            slice_seconds = min(remaining, 1.0)
+            slice_end = time.monotonic() + slice_seconds
+            with connection.transport.having_timeout(slice_seconds):
+                while confirms.waiting and time.monotonic() < slice_end:
+                    try:
+                        connection.drain_events(timeout=None)
+                    except TimeoutError:
+                        break
 
     def _on_ack(self, tag: int, multiple: bool) -> None:
         self._confirms.settle(tag, multiple, Outcome.PUBLISHED)
