@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..envelope import StoredMessage, json_text
+from ..envelope import JsonObject, StoredMessage, json_text
 from ..relay.core import Outcome, PublishResult
 from .base import Budget, all_with, describe, envelope_properties, is_outage
 from .kombu import KombuPublisher
@@ -77,6 +77,7 @@ class RedisPublisher(KombuPublisher):
         budget: Budget,
     ) -> list[PublishResult]:
         routes: dict[tuple[str, str], list[str] | None] = {}
+        infos: dict[tuple[str, str], str] = {}
         tags = _delivery_tags(len(messages))
         sent: list[StoredMessage] = []
         by_kombu: list[StoredMessage] = []
@@ -91,11 +92,12 @@ class RedisPublisher(KombuPublisher):
                 key = (envelope.exchange, envelope.routing_key)
                 if key not in routes:
                     routes[key] = _route(channel, *key)
+                    infos[key] = json.dumps({"exchange": key[0], "routing_key": key[1]})
                 queues = routes[key]
                 if queues is None:
                     by_kombu.append(message)
                     continue
-                payload, priority = _payload(message, next(tags))
+                payload, priority = _payload(message, next(tags), infos[key])
                 for queue in queues:
                     pipe.lpush(channel._q_for_pri(queue, priority), payload)
                 sent.append(message)
@@ -126,22 +128,42 @@ def _route(channel: Any, exchange: str, routing_key: str) -> list[str] | None:
     return queues
 
 
-def _payload(message: StoredMessage, delivery_tag: str) -> tuple[str, int]:
-    """The JSON kombu's Redis transport would write for this message, and its priority."""
+def _payload(
+    message: StoredMessage, delivery_tag: str, delivery_info: str
+) -> tuple[str, int]:
+    """The JSON kombu's Redis transport would write for this message, and its priority.
+
+    ``delivery_info`` is the JSON of the message's exchange and routing key.
+    """
     envelope = message.envelope
-    properties = envelope_properties(message)
-    mode = properties.get("delivery_mode")
-    if isinstance(mode, str):
-        mode = _DELIVERY_MODES.get(mode, mode)
-    properties["delivery_mode"] = mode or PERSISTENT
-    priority = envelope.priority or 0
-    properties["priority"] = priority
-    properties["body_encoding"] = "base64"
-    properties["delivery_tag"] = delivery_tag
-    properties["delivery_info"] = {
-        "exchange": envelope.exchange,
-        "routing_key": envelope.routing_key,
-    }
+    stored = envelope.properties
+    values = stored.value if isinstance(stored, JsonObject) else dict(stored)
+    priority = values.get("priority")
+    mode = values.get("delivery_mode")
+    added = (
+        f', "body_encoding": "base64", "delivery_tag": "{delivery_tag}", '
+        f'"delivery_info": {delivery_info}}}'
+    )
+    if (
+        isinstance(stored, JsonObject)
+        and _plain_int(priority)
+        and _plain_int(mode)
+        and mode
+        and values.keys().isdisjoint(_ADDED)
+        and stored.text.endswith("}")
+    ):
+        # The stored text already holds what kombu would write: add to it.
+        properties = stored.text[:-1] + added
+    else:
+        rest = envelope_properties(message)
+        if isinstance(mode, str):
+            mode = _DELIVERY_MODES.get(mode, mode)
+        rest["delivery_mode"] = mode or PERSISTENT
+        priority = envelope.priority or 0
+        rest["priority"] = priority
+        for name in _ADDED:
+            rest.pop(name, None)
+        properties = json.dumps(rest)[:-1] + added
     payload = "".join(
         (
             '{"body": "',
@@ -153,11 +175,19 @@ def _payload(message: StoredMessage, delivery_tag: str) -> tuple[str, int]:
             ', "headers": ',
             json_text(envelope.headers),
             ', "properties": ',
-            json.dumps(properties),
+            properties,
             "}",
         )
     )
-    return payload, max(0, min(int(priority), 9))
+    return payload, max(0, min(int(priority or 0), 9))
+
+
+#: Properties the transport sets on every publish.
+_ADDED = ("body_encoding", "delivery_tag", "delivery_info")
+
+
+def _plain_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _delivery_tags(count: int) -> Iterator[str]:

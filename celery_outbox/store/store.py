@@ -112,7 +112,7 @@ class OutboxStore(OperatorQueries):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            deleted = self._delete(cursor, token, settlement.delete)
+            deleted = self._delete(cursor, dialect, token, settlement.delete)
             retried = self._requeue(
                 cursor, dialect, token, settlement.retry, count=True
             )
@@ -176,12 +176,15 @@ class OutboxStore(OperatorQueries):
         with _exclusive_file_lock(f"{name}.relay-lock"):
             yield
 
-    def _delete(self, cursor: Any, token: str, ids: Sequence[int]) -> int:
+    def _delete(
+        self, cursor: Any, dialect: Dialect, token: str, ids: Sequence[int]
+    ) -> int:
         if not ids:
             return 0
+        among_sql, among_params = dialect.among("id", ids)
         cursor.execute(
-            f"DELETE FROM {MESSAGE_TABLE} WHERE lease_token = %s AND id IN ({placeholders(ids)})",
-            [token, *ids],
+            f"DELETE FROM {MESSAGE_TABLE} WHERE lease_token = %s AND {among_sql}",
+            [token, *among_params],
         )
         return int(cursor.rowcount)
 

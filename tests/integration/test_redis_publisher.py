@@ -8,6 +8,7 @@ documents, except the delivery tag, which is fresh for every publish.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -81,14 +82,34 @@ def snapshot(tag: str) -> dict[str, list[dict[str, Any]]]:
     return lists
 
 
+def as_claimed(message: StoredMessage) -> StoredMessage:
+    """``message`` as a claim returns it: headers and properties still JSON text."""
+    envelope = dataclasses.replace(
+        message.envelope,
+        headers=JsonObject(dump_json(dict(message.envelope.headers))),
+        properties=JsonObject(dump_json(dict(message.envelope.properties))),
+    )
+    return dataclasses.replace(message, envelope=envelope)
+
+
+@pytest.fixture(params=["built", "claimed"])
+def claimed(request: pytest.FixtureRequest) -> bool:
+    """Run a case with messages as built in memory and as claimed from the table."""
+    return bool(request.param == "claimed")
+
+
 def publish_both(
     names: Names,
     messages: list[StoredMessage],
     resolve: Callable[[str], Any],
     transport_options: dict[str, Any] | None = None,
+    *,
+    claimed: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what kombu's Producer left in Redis, what RedisPublisher left) for ``messages``."""
     left = []
+    if claimed:
+        messages = [as_claimed(m) for m in messages]
     for kind in (KombuPublisher, RedisPublisher):
         publisher = kind(
             lambda: Connection(BROKER_REDIS, transport_options=transport_options or {}),
@@ -112,7 +133,7 @@ def test_the_direct_path_is_taken_with_the_installed_kombu() -> None:
         assert direct_path_available(conn.default_channel)
 
 
-def test_default_exchange_messages_match_kombu(names: Names) -> None:
+def test_default_exchange_messages_match_kombu(names: Names, claimed: bool) -> None:
     queue = names.queue
     messages = stored(
         names,
@@ -148,12 +169,14 @@ def test_default_exchange_messages_match_kombu(names: Names) -> None:
             headers={"id": "u", "argsrepr": "('žluťoučký kůň', '✓')", "eta": None},
         ),
     )
-    reference, ours = publish_both(names, messages, lambda n: Queue(n, routing_key=n))
+    reference, ours = publish_both(
+        names, messages, lambda n: Queue(n, routing_key=n), claimed=claimed
+    )
     assert list(reference) == [queue]
     assert ours == reference
 
 
-def test_priorities_land_in_kombus_priority_lists(names: Names) -> None:
+def test_priorities_land_in_kombus_priority_lists(names: Names, claimed: bool) -> None:
     queue = names.queue
     messages = stored(
         names,
@@ -168,7 +191,10 @@ def test_priorities_land_in_kombus_priority_lists(names: Names) -> None:
         ),
     )
     reference, ours = publish_both(
-        names, messages, lambda n: Queue(n, routing_key=n, max_priority=9)
+        names,
+        messages,
+        lambda n: Queue(n, routing_key=n, max_priority=9),
+        claimed=claimed,
     )
     assert len(reference) == 4  # kombu's default steps: 0, 3, 6, 9
     assert ours == reference
