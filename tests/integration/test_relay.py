@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from celery_outbox.envelope import StoredMessage
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import Outcome, PublishResult
-from celery_outbox.relay.events import RelayEvent, StopReason
+from celery_outbox.relay.events import Idle, RelayEvent, StopReason
 from celery_outbox.relay.loop import Cycle, Relay
 from celery_outbox.store import OutboxStore
 
@@ -197,3 +198,109 @@ def test_the_liveness_file_is_touched_while_idle(alias: str, tmp_path: Path) -> 
     finally:
         relay.stop()
         thread.join(5)
+
+
+# -- prefetching: the next batch is claimed on a second connection ------------------
+
+
+def leased(alias: str) -> int:
+    return OutboxMessage.objects.using(alias).filter(lease_token__isnull=False).count()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("alias", ["default", "mysql"])
+def test_the_next_batch_is_claimed_while_one_is_published(alias: str) -> None:
+    enqueue(alias, *[f"p{i}" for i in range(12)])
+    seen_leased: list[int] = []
+
+    def watch(message: StoredMessage) -> PublishResult | None:
+        if not seen_leased:
+            # The first message of the first batch: the second batch gets claimed
+            # meanwhile, by the prefetching connection.
+            wait_for(lambda: leased(alias) >= 8)
+            seen_leased.append(leased(alias))
+        return None
+
+    publisher = InMemoryPublisher(watch)
+    relay = relay_for(alias, publisher, batch_size=4, until_empty=True)
+    assert relay.run() is StopReason.EMPTY
+    assert seen_leased == [8]
+    task_ids = [e.task_id for e in publisher.published]
+    assert len(task_ids) == len(set(task_ids)) == 12
+    assert OutboxMessage.objects.using(alias).count() == 0
+
+
+def test_sqlite_claims_one_batch_at_a_time() -> None:
+    enqueue("sqlite", *[f"q{i}" for i in range(12)])
+    most: list[int] = []
+
+    def watch(message: StoredMessage) -> PublishResult | None:
+        most.append(leased("sqlite"))
+        return None
+
+    relay = relay_for(
+        "sqlite", InMemoryPublisher(watch), batch_size=4, until_empty=True
+    )
+    assert relay.run() is StopReason.EMPTY
+    assert max(most) == 4
+
+
+@pytest.mark.parametrize("alias", ["default", "mysql"])
+def test_stopping_hands_back_a_prefetched_batch(alias: str) -> None:
+    enqueue(alias, *[f"h{i}" for i in range(12)])
+    relays: list[Relay] = []
+
+    def stop_once_prefetched(message: StoredMessage) -> PublishResult | None:
+        if not publisher.published:
+            assert wait_for(lambda: leased(alias) >= 8)
+            relays[0].stop()  # as SIGTERM would
+        return None
+
+    publisher = InMemoryPublisher(stop_once_prefetched)
+    relays.append(relay_for(alias, publisher, batch_size=4))
+    assert relays[0].run() is StopReason.SIGNAL
+    assert len(publisher.published) == 1
+    rows = OutboxMessage.objects.using(alias)
+    assert rows.count() == 11
+    assert leased(alias) == 0  # the prefetched batch went back, unleased
+    assert set(rows.values_list("attempts", flat=True)) == {0}
+    successor = InMemoryPublisher()
+    assert relay_for(alias, successor, until_empty=True).run() is StopReason.EMPTY
+    assert len(successor.published) == 11
+
+
+@pytest.mark.parametrize("alias", ["default", "mysql"])
+def test_an_open_breaker_hands_back_a_prefetched_batch(alias: str) -> None:
+    enqueue(alias, *[f"b{i}" for i in range(12)])
+    publisher = InMemoryPublisher()
+    publisher.down = True
+    relay = relay_for(alias, publisher, batch_size=4, breaker_threshold=1)
+    pauses: list[RelayEvent] = []
+    relay.listeners.append(
+        lambda event: pauses.append(event) if isinstance(event, Idle) else None
+    )
+    thread = start_in_thread(relay)
+    try:
+        # The first batch hit the outage; the breaker opened, and the relay paused.
+        assert wait_for(lambda: bool(pauses))
+        time.sleep(0.5)  # room for a claim still in flight to land (it must not)
+        rows = OutboxMessage.objects.using(alias)
+        assert leased(alias) == 0
+        # The first batch waits out the cooldown; the batch claimed meanwhile went
+        # back at once, due now, with no attempt used; the rest was never claimed.
+        assert rows.exclude(last_error="").count() == 4
+        assert rows.filter(last_error="").count() == 8
+        assert set(rows.values_list("attempts", flat=True)) == {0}
+        assert publisher.published == []
+    finally:
+        relay.stop()
+        thread.join(10)
+    assert not thread.is_alive()
