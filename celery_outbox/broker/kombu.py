@@ -41,19 +41,9 @@ class KombuPublisher:
         if not messages:
             return []
         try:
-            producer = self._open()
-            batch = getattr(producer, "batch", None)
-            if batch is not None and len(messages) > 1:
-                sent = 0
-                with batch(max_size=len(messages) * 4):
-                    for message in messages:
-                        if not budget.keep_going():
-                            break
-                        self._send(producer, message)
-                        sent += 1
-                return all_with(messages[:sent], Outcome.PUBLISHED) + all_with(
-                    messages[sent:], Outcome.NOT_SENT
-                )
+            results = self._publish_batch(self._open(), messages, budget)
+            if results is not None:
+                return results
         except Exception as exc:
             if is_outage(exc, self._connection_errors()):
                 self.close()
@@ -62,6 +52,24 @@ class KombuPublisher:
                 "Batch publish failed (%s); publishing one by one", describe(exc)
             )
         return self._one_by_one(messages, budget)
+
+    def _publish_batch(
+        self, producer: Any, messages: Sequence[StoredMessage], budget: Budget
+    ) -> list[PublishResult] | None:
+        """The batch through kombu's publish batches; None when the transport has none."""
+        batch = getattr(producer, "batch", None)
+        if batch is None or len(messages) < 2:
+            return None
+        sent = 0
+        with batch(max_size=len(messages) * 4):
+            for message in messages:
+                if not budget.keep_going():
+                    break
+                self._send(producer, message)
+                sent += 1
+        return all_with(messages[:sent], Outcome.PUBLISHED) + all_with(
+            messages[sent:], Outcome.NOT_SENT
+        )
 
     def ping(self) -> None:
         """Connect (or reuse the connection); raises when the broker is unreachable."""

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..envelope import JsonObject, StoredMessage, json_text
 from ..relay.core import Outcome, PublishResult
-from .base import Budget, all_with, describe, envelope_properties, is_outage
+from .base import Budget, envelope_properties
 from .kombu import KombuPublisher
-
-logger = logging.getLogger("celery_outbox.broker")
 
 #: What the direct path asks of kombu's Redis channel; a kombu without one of them
 #: gets the ``Producer`` path for every message.
@@ -48,26 +45,14 @@ _DELIVERY_MODES = {"persistent": 2, "transient": 1}
 class RedisPublisher(KombuPublisher):
     """Publishes to kombu's Redis transport with one pipeline per batch."""
 
-    def publish(
-        self, messages: Sequence[StoredMessage], budget: Budget
-    ) -> list[PublishResult]:
-        """One pipeline for the batch; the broker took it once ``EXEC`` returned."""
-        if not messages:
-            return []
-        try:
-            producer = self._open()
-            channel = producer.channel
-            if not direct_path_available(channel):
-                return super().publish(messages, budget)
-            return self._pipelined(producer, channel, messages, budget)
-        except Exception as exc:
-            if is_outage(exc, self._connection_errors()):
-                self.close()
-                return all_with(messages, Outcome.OUTAGE, describe(exc))
-            logger.warning(
-                "Batch publish failed (%s); publishing one by one", describe(exc)
-            )
-        return self._one_by_one(messages, budget)
+    def _publish_batch(
+        self, producer: Any, messages: Sequence[StoredMessage], budget: Budget
+    ) -> list[PublishResult] | None:
+        """One pipeline for the batch; the broker took it once it executed."""
+        channel = producer.channel
+        if not direct_path_available(channel):
+            return super()._publish_batch(producer, messages, budget)
+        return self._pipelined(producer, channel, messages, budget)
 
     def _pipelined(
         self,

@@ -14,6 +14,7 @@ from kombu import Connection, Exchange, Queue
 from celery_outbox.broker import FixedBudget
 from celery_outbox.broker.amqp import AmqpPublisher
 from celery_outbox.broker.kombu import KombuPublisher
+from celery_outbox.broker.redis import RedisPublisher
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.relay.core import Outcome
 
@@ -145,8 +146,9 @@ def test_redis_batch_is_pipelined_into_the_list(redis_queue: str) -> None:
     assert redis.Redis.from_url(BROKER_REDIS).llen(redis_queue) == 200
 
 
-def test_redis_unreachable_is_an_outage() -> None:
-    publisher = KombuPublisher(
+@pytest.mark.parametrize("kind", [KombuPublisher, RedisPublisher])
+def test_redis_unreachable_is_an_outage(kind: type[KombuPublisher]) -> None:
+    publisher = kind(
         lambda: Connection(
             "redis://127.0.0.1:1/0",
             connect_timeout=1,

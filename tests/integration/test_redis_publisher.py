@@ -301,18 +301,3 @@ def test_a_batch_stops_when_the_budget_says_so(names: Names) -> None:
         Outcome.NOT_SENT
     ] * 3
     assert redis.Redis.from_url(BROKER_REDIS).llen(queue) == 2
-
-
-def test_an_unreachable_redis_is_an_outage() -> None:
-    publisher = RedisPublisher(
-        lambda: Connection(
-            "redis://127.0.0.1:1/0",
-            connect_timeout=1,
-            transport_options={"socket_connect_timeout": 1},
-        ),
-        lambda name: Queue(name),
-    )
-    results = publisher.publish(
-        [StoredMessage(1, 0, envelope("x"))], FixedBudget(time.monotonic() + 5)
-    )
-    assert [r.outcome for r in results] == [Outcome.OUTAGE]
