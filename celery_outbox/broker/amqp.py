@@ -123,10 +123,11 @@ class HeldFrames:
     def release(self, timeout: float | None = None) -> None:
         """Stop holding and send what is held, within ``timeout`` seconds."""
         self._holding = False
-        if self._held and timeout is not None:
-            with self._transport.having_timeout(timeout):
-                self.flush()
-        self.flush()
+        if not self._held or timeout is None:
+            self.flush()
+            return
+        with self._transport.having_timeout(timeout):
+            self.flush()
 
     def discard(self) -> None:
         """Stop holding and drop what is held (the batch failed before it was sent)."""

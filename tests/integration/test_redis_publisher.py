@@ -124,7 +124,7 @@ def publish_both(
     return left[0], left[1]
 
 
-def stored(names: Names, *envelopes: Any) -> list[StoredMessage]:
+def stored(*envelopes: Any) -> list[StoredMessage]:
     return [StoredMessage(i + 1, 0, e) for i, e in enumerate(envelopes)]
 
 
@@ -136,7 +136,6 @@ def test_the_direct_path_is_taken_with_the_installed_kombu() -> None:
 def test_default_exchange_messages_match_kombu(names: Names, claimed: bool) -> None:
     queue = names.queue
     messages = stored(
-        names,
         envelope("plain", routing_key=queue, declare=(queue,), queue=queue),
         envelope(
             "no-mode",
@@ -179,7 +178,6 @@ def test_default_exchange_messages_match_kombu(names: Names, claimed: bool) -> N
 def test_priorities_land_in_kombus_priority_lists(names: Names, claimed: bool) -> None:
     queue = names.queue
     messages = stored(
-        names,
         *(
             envelope(
                 f"p{priority}",
@@ -204,7 +202,6 @@ def test_a_named_exchange_routes_through_its_bindings(names: Names) -> None:
     exchange = Exchange(names.exchange, type="direct")
     queue = Queue(names.queue, exchange, routing_key="mail.receipt")
     messages = stored(
-        names,
         envelope(
             "routed",
             exchange=names.exchange,
@@ -219,7 +216,7 @@ def test_a_named_exchange_routes_through_its_bindings(names: Names) -> None:
 
 def test_a_global_key_prefix_is_kept(names: Names) -> None:
     queue = names.queue
-    messages = stored(names, envelope("prefixed", routing_key=queue, declare=(queue,)))
+    messages = stored(envelope("prefixed", routing_key=queue, declare=(queue,)))
     reference, ours = publish_both(
         names,
         messages,
@@ -281,7 +278,6 @@ def test_a_fanout_exchange_goes_through_kombu(names: Names) -> None:
 def test_a_batch_stops_when_the_budget_says_so(names: Names) -> None:
     queue = names.queue
     messages = stored(
-        names,
         *(envelope(f"m{i}", routing_key=queue, declare=(queue,)) for i in range(5)),
     )
 
