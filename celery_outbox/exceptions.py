@@ -23,6 +23,10 @@ class OutboxSerializationError(OutboxError, TypeError):
     """The task's arguments cannot be encoded by the app's serializer; nothing was written."""
 
 
+class OutboxValueError(OutboxError, ValueError):
+    """A value of the call does not fit the outbox table; nothing was written."""
+
+
 class UnsupportedPayloadVersion(OutboxError):
     """A row was written by a newer celery-outbox than the relay that read it."""
 

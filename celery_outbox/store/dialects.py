@@ -45,6 +45,19 @@ INSERT_COLUMNS = (
     "available_at",
 )
 
+#: The widest value each text column of a message holds, in characters (the models'
+#: ``max_length``); the enqueue path refuses longer values at the call.
+COLUMN_LIMITS = {
+    "task_id": 255,
+    "task_name": 255,
+    "queue": 255,
+    "exchange": 255,
+    "routing_key": 255,
+    "ordering_key": 255,
+    "content_type": 128,
+    "content_encoding": 64,
+}
+
 #: What a claim returns for each row, in this order.
 CLAIM_COLUMNS = ("id", "attempts", *MESSAGE_COLUMNS)
 

@@ -28,10 +28,12 @@ from ..envelope import (
 )
 from ..exceptions import (
     OutboxConfigurationError,
+    OutboxValueError,
     UnsupportedPayloadVersion,
 )
 from ..relay.core import Action, Decision, Settlement
 from .dialects import (
+    COLUMN_LIMITS,
     DEAD_TABLE,
     INSERT_COLUMNS,
     MESSAGE_COLUMNS,
@@ -39,6 +41,7 @@ from .dialects import (
     Dialect,
     placeholders,
 )
+from .held import HELD_ROWS, HeldRows
 from .operator import OperatorQueries
 from .types import (
     Claim,
@@ -56,10 +59,28 @@ class OutboxStore(OperatorQueries):
     def insert(self, envelopes: Sequence[Envelope], *, notify: bool = False) -> None:
         """Write messages in the caller's current transaction, in one statement.
 
-        With ``notify`` on PostgreSQL the same statement tells listening relays.
+        With ``notify`` on PostgreSQL the same statement tells listening relays. On a
+        connection of the write-on-commit engine (:mod:`celery_outbox.backends`) inside
+        ``atomic()``, the rows are held and written before the connection's next
+        statement or in its ``COMMIT``'s round trip.
         """
         if not envelopes:
             return
+        for envelope in envelopes:
+            _check_fits(envelope)
+        connection = self.connection
+        held: HeldRows | None = getattr(connection, HELD_ROWS, None)
+        if held is not None and connection.in_atomic_block:
+            held.add(envelopes, notify)
+            return
+        sql, params = self.insert_statement(envelopes, notify=notify)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+
+    def insert_statement(
+        self, envelopes: Sequence[Envelope], *, notify: bool
+    ) -> tuple[str, list[Any]]:
+        """The one INSERT (and its parameters) that writes ``envelopes``."""
         dialect = self.dialect
         now = dialect.now()
         row = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {now})"
@@ -71,8 +92,7 @@ class OutboxStore(OperatorQueries):
             + ", ".join([row] * len(envelopes)),
             notify,
         )
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, params)
+        return sql, params
 
     # -- relay -----------------------------------------------------------------
 
@@ -278,6 +298,18 @@ def _exclusive_file_lock(path: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _check_fits(envelope: Envelope) -> None:
+    """Refuse, at the call, a value its column would truncate or reject at the INSERT."""
+    for column, limit in COLUMN_LIMITS.items():
+        value = getattr(envelope, column)
+        if value is not None and len(value) > limit:
+            raise OutboxValueError(
+                f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} is "
+                f"{len(value)} characters long and the outbox stores at most {limit}. "
+                f"Use a shorter {column}. Nothing was written."
+            )
 
 
 def _message_values(envelope: Envelope) -> list[Any]:

@@ -154,6 +154,14 @@ def worker_options(vendor: str) -> dict[str, Any]:
             id="postgresql-redis",
             marks=db("postgresql"),
         ),
+        pytest.param(
+            "postgresql_commit",
+            BROKER_AMQP,
+            30,
+            10,
+            id="postgresql-write-on-commit-rabbitmq",
+            marks=db("postgresql_commit"),
+        ),
     ],
 )
 def test_committed_tasks_run_exactly_once_and_rolled_back_never(

@@ -18,6 +18,7 @@ from celery_outbox.exceptions import (
     OutboxConfigurationError,
     OutboxSerializationError,
     OutboxTransactionError,
+    OutboxValueError,
 )
 from celery_outbox.models import OutboxMessage
 from tests.project.shop.models import Order
@@ -204,3 +205,24 @@ def test_an_ordering_key_is_stored_beside_the_message_not_in_it() -> None:
     assert "customer-42" not in row.headers
     assert "customer-42" not in row.properties
     assert b"customer-42" not in bytes(row.body)
+
+
+@pytest.mark.parametrize("alias", ["default", "postgresql_commit"])
+@pytest.mark.parametrize(
+    ("option", "column"),
+    [
+        ({"ordering_key": "k" * 256}, "ordering_key"),
+        ({"task_id": "t" * 300}, "task_id"),
+    ],
+)
+def test_a_value_too_wide_for_its_column_fails_at_the_call(
+    settings: Any, alias: str, option: dict[str, str], column: str
+) -> None:
+    settings.CELERY_OUTBOX_DATABASE = alias
+    with transaction.atomic(using=alias):
+        Order.objects.using(alias).create(number="kept")
+        with pytest.raises(OutboxValueError, match=f"its {column} is .* at most 255"):
+            record.apply_async(("x",), **option)
+        fine = record.delay("fine")
+    assert [r.task_id for r in rows(alias)] == [fine.id]
+    assert Order.objects.using(alias).count() == 1

@@ -83,12 +83,27 @@ SQLITE = {
     "OPTIONS": {"timeout": 30},
     "TEST": {"NAME": os.path.join(_SQLITE_DIR, f"test_outbox_{RUN_ID}.sqlite3")},
 }
-_VENDORS = {"postgresql": POSTGRES, "mysql": MYSQL, "sqlite": SQLITE}
+# PostgreSQL through the write-on-commit engine. Tests reach the PostgreSQL test
+# database through it as a mirror (no second database to create and flush), and the
+# store contract runs on it too; OUTBOX_TEST_DB=postgresql_commit runs everything on it.
+POSTGRES_COMMIT = dict(POSTGRES, ENGINE="celery_outbox.backends.postgresql")
+_VENDORS = {
+    "postgresql": POSTGRES,
+    "mysql": MYSQL,
+    "sqlite": SQLITE,
+    "postgresql_commit": POSTGRES_COMMIT,
+}
 DEFAULT_VENDOR = os.environ.get("OUTBOX_TEST_DB", "postgresql")
 DATABASES: dict[str, Any] = {"default": _VENDORS[DEFAULT_VENDOR]}
 for _vendor, _config in _VENDORS.items():
     if _vendor != DEFAULT_VENDOR:
         DATABASES[_vendor] = _config
+_PG_ALIASES = {"postgresql", "postgresql_commit"}
+if DEFAULT_VENDOR in _PG_ALIASES:
+    _other = (_PG_ALIASES - {DEFAULT_VENDOR}).pop()
+    DATABASES[_other] = dict(DATABASES[_other], TEST={"MIRROR": "default"})
+else:
+    DATABASES["postgresql_commit"]["TEST"] = {"MIRROR": "postgresql"}
 
 # A test run may set OUTBOX_TEST_DB_NAME to reuse the exact database a test created
 # (relay and worker subprocesses of the end-to-end tests).

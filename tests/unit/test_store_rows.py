@@ -75,3 +75,14 @@ def test_headers_keep_their_stored_text_until_read() -> None:
 def test_a_newer_payload_version_is_refused_by_row() -> None:
     with pytest.raises(UnsupportedPayloadVersion, match="Outbox row 41"):
         _stored_message(claimed(payload_version=2))
+
+
+def test_the_enqueue_length_limits_are_the_columns_widths() -> None:
+    from celery_outbox.models import OutboxMessage
+    from celery_outbox.store.dialects import COLUMN_LIMITS
+
+    widths = {
+        column: OutboxMessage._meta.get_field(column).max_length
+        for column in COLUMN_LIMITS
+    }
+    assert widths == COLUMN_LIMITS
