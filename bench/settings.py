@@ -23,6 +23,11 @@ DATABASES = {
         "CONN_MAX_AGE": None,
     }
 }
+#: The same database through the write-on-commit engine: the outbox row travels in
+#: the COMMIT's round trip (the enqueue part measures both).
+DATABASES["commit"] = dict(
+    DATABASES["default"], ENGINE="celery_outbox.backends.postgresql"
+)
 
 _exchange = Exchange(env.QUEUE, type="direct")
 CELERY_BROKER_URL = env.broker_url()
