@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from django.db.backends.postgresql.psycopg_any import is_psycopg3
 from django.db.backends.utils import debug_transaction
 
 from .held import HeldRows
@@ -72,14 +73,12 @@ class WriteOnCommitMixin(_Wrapper):
         if not self.outbox_held_rows or self.connection is None:
             super()._commit()  # type: ignore[misc]  # not in django-stubs
             return
-        from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
         if not is_psycopg3:
             # psycopg2 keeps its own idea of the transaction: one more round trip.
             self.write_held_rows()
             super()._commit()  # type: ignore[misc]
             return
-        from psycopg import ClientCursor
+        from psycopg import ClientCursor  # psycopg 3 only, which is_psycopg3 checked
 
         envelopes, notify = self.outbox_held_rows.take()
         sql, params = OutboxStore(self.alias).insert_statement(envelopes, notify=notify)

@@ -27,9 +27,6 @@ class HeldRows:
     def __bool__(self) -> bool:
         return bool(self._envelopes)
 
-    def __len__(self) -> int:
-        return len(self._envelopes)
-
     def add(self, envelopes: Sequence[Envelope], notify: bool) -> None:
         """Hold more messages; one of the writes asking for a wake-up is enough."""
         self._envelopes.extend(envelopes)
