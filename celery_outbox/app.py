@@ -12,6 +12,7 @@ from celery import Celery
 from django.db import connections
 from django.utils.module_loading import import_string
 
+from .celeryconf import memoize
 from .conf import OutboxSettings, get_settings
 from .enqueue import (
     CallContext,
@@ -42,6 +43,8 @@ class OutboxCelery(Celery):
         # capture producer holds no per-call state, so each thread keeps one.
         self._outbox_local = threading.local()
         self._outbox_commit_publisher: Any = None
+        # Celery sends this each time it has (re)loaded its configuration.
+        self.on_after_configure.connect(_memoize_configuration, weak=False)
         _instances.add(self)
 
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
@@ -131,6 +134,10 @@ class OutboxCelery(Celery):
             ),
             settings,
         )
+
+
+def _memoize_configuration(sender: Any = None, source: Any = None, **_: Any) -> None:
+    memoize(source)
 
 
 def resolve_app(settings: OutboxSettings | None = None) -> OutboxCelery:

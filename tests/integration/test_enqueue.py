@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from celery import chain, group
 from django.db import transaction
+from django.test import override_settings
 from kombu import Connection
 
 from celery_outbox.app import OutboxCelery, resolve_app
@@ -21,7 +22,7 @@ from celery_outbox.exceptions import (
     OutboxValueError,
 )
 from celery_outbox.models import OutboxMessage
-from tests.project.shop.models import Order
+from tests.project.shop.models import Order, TaskRun
 from tests.project.shop.tasks import add, record
 
 from ..conftest import BROKER_AMQP
@@ -74,6 +75,19 @@ def test_outside_a_transaction_warns_once_per_task_name(
         len(warnings) <= 1
     )  # once per process: an earlier test may already have warned
     assert len(rows()) == 2
+
+
+def test_eager_mode_from_override_settings_starts_and_ends_with_it() -> None:
+    with transaction.atomic():
+        add.delay(1, 1)  # Celery's configuration is read (and memoized) here
+    with override_settings(CELERY_TASK_ALWAYS_EAGER=True), transaction.atomic():
+        eager = add.delay(2, 3)
+    assert eager.get() == 5
+    assert TaskRun.objects.filter(task_id=eager.id).count() == 1
+    with transaction.atomic():
+        add.delay(4, 4)
+    assert [r.task_name for r in rows()] == ["shop.add", "shop.add"]
+    assert eager.id not in {r.task_id for r in rows()}
 
 
 def test_strict_mode_refuses_calls_outside_a_transaction(settings: Any) -> None:
