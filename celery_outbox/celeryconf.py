@@ -48,8 +48,8 @@ class MemoizedSettings(Settings):
 
     def __getitem__(self, key: str) -> Any:
         memo: dict[str, Any] | None = self.__dict__.get(_MEMO)
-        if memo is None:
-            memo = self.__dict__[_MEMO] = {}
+        if memo is None:  # a copy's first lookup
+            memo = self._fresh_memo()
         try:
             return memo[key]
         except KeyError:
@@ -62,8 +62,14 @@ class MemoizedSettings(Settings):
 
     def forget(self) -> None:
         """Drop every remembered value; the next lookups read the configuration again."""
+        self._fresh_memo()
+
+    def _fresh_memo(self) -> dict[str, Any]:
+        _memoized[id(self)] = self  # from now on Django's changes reach it too
         # Replaced, not cleared: a lookup racing with a change stores into the old dict.
-        self.__dict__[_MEMO] = {}
+        memo: dict[str, Any] = {}
+        self.__dict__[_MEMO] = memo
+        return memo
 
     # -- every way Celery's mapping can change -------------------------------------
 
@@ -107,7 +113,6 @@ def memoize(conf: Any) -> Any:
         object.__setattr__(conf, "__class__", MemoizedSettings)
     if isinstance(conf, MemoizedSettings):
         conf.forget()
-        _memoized[id(conf)] = conf
     return conf
 
 

@@ -94,6 +94,10 @@ def test_override_settings_is_seen_on_entry_and_on_exit() -> None:
     with override_settings(CELERY_TASK_ALWAYS_EAGER=True):
         assert app.conf.task_always_eager is True
     assert app.conf.task_always_eager is False
+    copy = app.conf.copy()
+    assert copy.task_default_queue == app.conf.task_default_queue
+    with override_settings(CELERY_TASK_DEFAULT_QUEUE="seen by the copy"):
+        assert copy.task_default_queue == "seen by the copy"
     app.close()
 
 
