@@ -25,6 +25,7 @@ change.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,7 @@ _MEMO = "_outbox_memo"
 _memoized: weakref.WeakValueDictionary[int, MemoizedSettings] = (
     weakref.WeakValueDictionary()
 )
+_memoized_lock = threading.Lock()
 
 
 class MemoizedSettings(Settings):
@@ -65,7 +67,8 @@ class MemoizedSettings(Settings):
         self._fresh_memo()
 
     def _fresh_memo(self) -> dict[str, Any]:
-        _memoized[id(self)] = self  # from now on Django's changes reach it too
+        with _memoized_lock:  # from now on Django's changes reach it too
+            _memoized[id(self)] = self
         # Replaced, not cleared: a lookup racing with a change stores into the old dict.
         memo: dict[str, Any] = {}
         self.__dict__[_MEMO] = memo
@@ -104,8 +107,12 @@ class MemoizedSettings(Settings):
         self.forget()
 
 
-def memoize(conf: Any) -> Any:
-    """Give a freshly loaded Celery configuration a memo, unless it is a ``Settings`` subclass."""
+def memoize(conf: Any) -> None:
+    """Give a freshly loaded Celery configuration a memo, unless its class is its own.
+
+    Only Celery's plain ``Settings`` is switched: an application that brought a
+    subclass of its own keeps it, with Celery's live lookups.
+    """
     if type(conf) is Settings:
         # Same layout, one class further down: every reference to app.conf, taken
         # before or after, sees the memo. (Settings turns plain attribute assignment
@@ -113,7 +120,6 @@ def memoize(conf: Any) -> Any:
         object.__setattr__(conf, "__class__", MemoizedSettings)
     if isinstance(conf, MemoizedSettings):
         conf.forget()
-    return conf
 
 
 def forget_celery_config() -> None:
@@ -123,7 +129,9 @@ def forget_celery_config() -> None:
     ``settings.CELERY_X = ...`` outside ``override_settings``, or editing a
     configuration module in place.
     """
-    for conf in list(_memoized.values()):
+    with _memoized_lock:
+        confs = list(_memoized.values())
+    for conf in confs:
         conf.forget()
 
 
