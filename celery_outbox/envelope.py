@@ -76,7 +76,16 @@ class StoredMessage:
 
 
 def dump_json(value: Any) -> str:
-    """Encode headers or properties; kombu's encoder keeps datetimes, UUIDs and decimals."""
+    """Encode headers or properties; kombu's encoder keeps datetimes, UUIDs and decimals.
+
+    Plain values (the usual headers) take the standard library's cached C encoder, which
+    writes the same text; kombu's encoder is built per call and only needed for the rest.
+    """
+    if type(value) is dict or type(value) is list:
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError):
+            pass  # a datetime, UUID, Decimal...: kombu's encoder marks it
     return str(kombu_json.dumps(value))
 
 
@@ -136,7 +145,7 @@ def json_text(mapping: Mapping[str, Any]) -> str:
     """``mapping`` as stored JSON: a :class:`JsonObject`'s own text, else encoded."""
     if isinstance(mapping, JsonObject):
         return mapping.text
-    return dump_json(dict(mapping))
+    return dump_json(mapping if type(mapping) is dict else dict(mapping))
 
 
 def load_json(text: str) -> Any:

@@ -81,11 +81,14 @@ class WriteOnCommitMixin(_Wrapper):
         from psycopg import ClientCursor  # psycopg 3 only, which is_psycopg3 checked
 
         envelopes, notify = self.outbox_held_rows.take()
-        sql, params = OutboxStore(self.alias).insert_statement(envelopes, notify=notify)
+        store = OutboxStore(self.alias)
+        text = store.insert_text(envelopes, notify=notify)
         with self.wrap_database_errors, ClientCursor(self.connection) as cursor:
-            # Parameters merged on the client and no parameters left: psycopg sends
-            # the text with the simple query protocol, which runs both statements.
-            statement = cursor.mogrify(sql, params) + "; COMMIT"
+            if text is None:
+                text = cursor.mogrify(*store.insert_statement(envelopes, notify=notify))
+            # No parameters left: psycopg sends the text with the simple query
+            # protocol, which runs both statements.
+            statement = text + "; COMMIT"
             with debug_transaction(self, statement):
                 cursor.execute(statement)
         # psycopg reads the transaction state from the server's reply: its commit()
