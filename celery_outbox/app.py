@@ -12,7 +12,7 @@ from celery import Celery
 from django.db import connections
 from django.utils.module_loading import import_string
 
-from .celeryconf import memoize
+from .celeryconf import MemoizedSettings, memoize
 from .conf import OutboxSettings, get_settings
 from .enqueue import (
     CallContext,
@@ -23,6 +23,7 @@ from .enqueue import (
     outbox_alias,
 )
 from .exceptions import OutboxConfigurationError
+from .fastpath import Shapes, call_parts, current_process, task_id_of
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
 
@@ -43,6 +44,7 @@ class OutboxCelery(Celery):
         # capture producer holds no per-call state, so each thread keeps one.
         self._outbox_local = threading.local()
         self._outbox_commit_publisher: Any = None
+        self._outbox_shapes = Shapes()
         # Celery sends this each time it has (re)loaded its configuration.
         self.on_after_configure.connect(_memoize_configuration, weak=False)
         _instances.add(self)
@@ -51,7 +53,8 @@ class OutboxCelery(Celery):
         """Send a task by name: through the outbox, or direct when :func:`choose_route` says so."""
         settings = get_settings()
         given = options.get("producer")
-        if self._route(name, options.get("task_id"), settings) is Route.DIRECT:
+        running = self.current_worker_task
+        if self._route(name, options.get("task_id"), settings, running) is Route.DIRECT:
             if given is None or isinstance(given, CapturingProducer):
                 # Our producer_or_acquire buffers into the outbox: take a real one.
                 with super().producer_or_acquire(None) as producer:
@@ -60,9 +63,60 @@ class OutboxCelery(Celery):
             return super().send_task(name, *args, **options)
         options.pop("connection", None)
         options.pop("publisher", None)
+        if given is None and running is None and settings.fast_enqueue:
+            return self._send_by_shape(name, args, options, settings)
         if not isinstance(given, CapturingProducer):
             options["producer"] = self._thread_producer()
         return super().send_task(name, *args, **options)
+
+    def _send_by_shape(
+        self,
+        name: str,
+        call_args: tuple[Any, ...],
+        options: dict[str, Any],
+        settings: OutboxSettings,
+    ) -> Any:
+        """Reuse the template of the call's shape, or go through Celery and learn one."""
+        key = Shapes.key(name, call_args, options)
+        producer = options["producer"] = self._thread_producer()
+        conf = self.conf
+        parts = call_parts(call_args)
+        task_id = task_id_of(options)
+        if (
+            key is None
+            or parts is None
+            or task_id is None
+            or not isinstance(conf, MemoizedSettings)
+        ):
+            return super().send_task(name, *call_args, **options)
+        version = conf.version
+        template = self._outbox_shapes.get(key, version)
+        if template is None:
+            process = current_process()
+            producer.last = None
+            options["task_id"] = task_id
+            result = super().send_task(name, *call_args, **options)
+            if producer.last is not None:
+                self._outbox_shapes.learn(
+                    key,
+                    producer.last,
+                    version=version,
+                    process=process,
+                    args=parts[0],
+                    kwargs=parts[1],
+                    options=options,
+                    app=self,
+                    settings=settings,
+                )
+            return result
+        envelope = template.build(name, task_id, parts[0], parts[1], settings)
+        ignore_result = options.get("ignore_result")
+        if not ignore_result:
+            self.backend.on_task_call(producer, task_id)
+        self._outbox_enqueuer.write([envelope])
+        result = (options.get("result_cls") or self.AsyncResult)(task_id)
+        result.ignored = ignore_result
+        return result
 
     @contextlib.contextmanager
     def producer_or_acquire(  # type: ignore[override]
@@ -112,8 +166,9 @@ class OutboxCelery(Celery):
             event_exchange=conf.event_exchange,
         )
 
-    def _route(self, name: str, task_id: str | None, settings: OutboxSettings) -> Route:
-        running = self.current_worker_task
+    def _route(
+        self, name: str, task_id: str | None, settings: OutboxSettings, running: Any
+    ) -> Route:
         running_id = running.request.id if running is not None else None
         in_atomic = others_in_atomic = False
         if running_id is not None:

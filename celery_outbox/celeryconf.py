@@ -66,6 +66,16 @@ class MemoizedSettings(Settings):
         """Drop every remembered value; the next lookups read the configuration again."""
         self._fresh_memo()
 
+    @property
+    def version(self) -> object:
+        """A token that is replaced whenever the configuration may have changed.
+
+        Compare it by identity: whatever was derived from the configuration while
+        the token was current is still valid while it is.
+        """
+        memo = self.__dict__.get(_MEMO)
+        return memo if memo is not None else self._fresh_memo()
+
     def _fresh_memo(self) -> dict[str, Any]:
         with _memoized_lock:  # from now on Django's changes reach it too
             _memoized[id(self)] = self

@@ -62,6 +62,8 @@ class OutboxSettings:
     log_context: bool = True
     #: Which context variables to capture; None captures all of them.
     log_context_keys: tuple[str, ...] | None = None
+    #: Repeated ``delay()`` calls of one shape reuse the message Celery built for the first.
+    fast_enqueue: bool = True
 
 
 _FIELDS = {
@@ -87,6 +89,7 @@ _FIELDS = {
     "REDACTOR": "redactor",
     "LOG_CONTEXT": "log_context",
     "LOG_CONTEXT_KEYS": "log_context_keys",
+    "FAST_ENQUEUE": "fast_enqueue",
 }
 
 
@@ -186,6 +189,7 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
             "publish_on_commit",
             "prefetch",
             "log_context",
+            "fast_enqueue",
         }:
             if not isinstance(value, bool):
                 raise OutboxConfigurationError(

@@ -166,6 +166,8 @@ class CapturingProducer:
         #: Celery's monitoring events (task_send_sent_event) are not stored: a
         #: "task-sent" event at call time would announce a publish that has not happened.
         self._event_exchange = event_exchange
+        #: The last message recorded (the short path learns its templates from it).
+        self.last: Envelope | None = None
 
     def flush(self) -> None:
         """Write what a buffered producer collected, in one INSERT."""
@@ -219,13 +221,13 @@ class CapturingProducer:
             properties["priority"] = priority
         if isinstance(properties.get("reply_to"), Queue):
             properties["reply_to"] = properties["reply_to"].name
-        if _OTEL_TRACE in sys.modules:
+        if OTEL_TRACE_MODULE in sys.modules:
             # Adds trace headers only where no instrumentation already did.
             from .contrib.otel import add_trace_headers
 
             add_trace_headers(headers)
         task_name = str(headers.get("task", ""))
-        content_type, content_encoding, data = _serialize(
+        content_type, content_encoding, data = serialize(
             body, serializer or self._default_serializer, task_name
         )
         codec = compression or self._default_compression
@@ -234,28 +236,27 @@ class CapturingProducer:
         queues = tuple(
             entity.name for entity in declare or () if isinstance(entity, Queue)
         )
-        self._emit(
-            Envelope(
-                task_id=str(headers.get("id", "")),
-                task_name=task_name,
-                exchange=exchange_name,
-                routing_key=routing_key or "",
-                body=data,
-                content_type=content_type,
-                content_encoding=content_encoding,
-                headers=headers,
-                properties=properties,
-                declare=queues,
-                queue=queues[0] if queues else (routing_key or ""),
-                arguments_preview=_preview(headers),
-                ordering_key=None if ordering_key is None else str(ordering_key),
-                log_context=capture_log_context(get_settings()),
-            )
+        envelope = self.last = Envelope(
+            task_id=str(headers.get("id", "")),
+            task_name=task_name,
+            exchange=exchange_name,
+            routing_key=routing_key or "",
+            body=data,
+            content_type=content_type,
+            content_encoding=content_encoding,
+            headers=headers,
+            properties=properties,
+            declare=queues,
+            queue=queues[0] if queues else (routing_key or ""),
+            arguments_preview=preview(headers),
+            ordering_key=None if ordering_key is None else str(ordering_key),
+            log_context=capture_log_context(get_settings()),
         )
+        self._emit(envelope)
 
 
 #: Present in ``sys.modules`` once the application uses OpenTelemetry.
-_OTEL_TRACE = "opentelemetry.trace"
+OTEL_TRACE_MODULE = "opentelemetry.trace"
 
 
 def _exchange_details(exchange: str | Exchange | None) -> tuple[str, Any]:
@@ -264,7 +265,7 @@ def _exchange_details(exchange: str | Exchange | None) -> tuple[str, Any]:
     return exchange or "", None
 
 
-def _serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, bytes]:
+def serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, bytes]:
     try:
         content_type, content_encoding, payload = dumps(body, serializer=serializer)
     except (EncodeError, TypeError, ValueError) as exc:
@@ -303,7 +304,7 @@ def _find_unencodable(body: Any, serializer: str) -> str:
     return "the message body"
 
 
-def _preview(headers: Mapping[str, Any]) -> str:
+def preview(headers: Mapping[str, Any]) -> str:
     args = headers.get("argsrepr")
     kwargs = headers.get("kwargsrepr")
     if args is None and kwargs is None:

@@ -26,6 +26,11 @@ INSTRUMENTATION_NAME = "celery_outbox"
 SPAN_NAME = "celery_outbox publish"
 
 
+def span_active() -> bool:
+    """Whether the caller runs inside a recording span (its trace goes into messages)."""
+    return bool(trace.get_current_span().get_span_context().is_valid)
+
+
 def add_trace_headers(headers: MutableMapping[str, Any]) -> None:
     """Inject the active span's context into message headers; never alters a header."""
     if not trace.get_current_span().get_span_context().is_valid:

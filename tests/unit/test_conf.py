@@ -28,8 +28,10 @@ def test_values_are_read_and_typed() -> None:
             EXCLUDE_TASKS=["metrics.*"],
             BATCH_SIZE=100,
             LEASE_SECONDS=45,
+            FAST_ENQUEUE=False,
         )
     )
+    assert loaded.fast_enqueue is False
     assert loaded.app == "proj.celery.app"
     assert loaded.outside_transaction is OutsideTransaction.RAISE
     assert loaded.exclude_tasks == ("metrics.*",)
@@ -55,6 +57,10 @@ def test_values_are_read_and_typed() -> None:
         (
             {"CONFIRM_PUBLISH": "yes"},
             "CELERY_OUTBOX_CONFIRM_PUBLISH must be True or False",
+        ),
+        (
+            {"FAST_ENQUEUE": 1},
+            "CELERY_OUTBOX_FAST_ENQUEUE must be True or False",
         ),
         ({"APP": ""}, "CELERY_OUTBOX_APP must be a non-empty string"),
         ({"RETRY_BASE_SECONDS": 60, "RETRY_MAX_SECONDS": 10}, "must not be smaller"),
