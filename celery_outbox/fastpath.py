@@ -35,6 +35,7 @@ the path off.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -53,6 +54,8 @@ from .conf import OutboxSettings
 from .contrib.logcontext import capture_log_context
 from .enqueue import OTEL_TRACE_MODULE, preview, serialize
 from .envelope import Envelope
+
+logger = logging.getLogger("celery_outbox")
 
 #: Options that are the same for every call of a shape: part of the template's key.
 _KEYED = frozenset(
@@ -231,6 +234,14 @@ _UNSUITABLE = object()
 _MAX_SHAPES = 256
 
 
+class _NoSignal:
+    receivers: list[Any] = []
+
+
+#: Celery's deprecated ``task_sent``, once a release drops it.
+_NO_SIGNAL = _NoSignal()
+
+
 class Shapes:
     """One app's templates, per thread, by task name and options."""
 
@@ -251,16 +262,17 @@ class Shapes:
         if (
             signals.before_task_publish.receivers
             or signals.after_task_publish.receivers
-            or signals.task_sent.receivers
+            or getattr(signals, "task_sent", _NO_SIGNAL).receivers
             or _traced()
         ):
             return None
-        keyed: list[tuple[str, Any]] = [("", name)]
+        keyed: list[tuple[str, type, Any]] = [("", str, name)]
         for option, value in options.items():
             if option in _KEYED:
-                if type(value) not in _PLAIN:
+                kind = type(value)
+                if kind not in _PLAIN:
                     return None
-                keyed.append((option, value))
+                keyed.append((option, kind, value))  # True == 1, but not in a header
             elif option in _UNSET:
                 if value is not None:
                     return None
@@ -293,11 +305,15 @@ class Shapes:
         found: object = _UNSUITABLE
         template = _template_of(envelope, version, process, options, app)
         if template is not None:
-            rebuilt = template.build(
-                envelope.task_name, envelope.task_id, args, kwargs, settings
-            )
-            if _same_message(rebuilt, envelope):
-                found = template
+            try:
+                rebuilt = template.build(
+                    envelope.task_name, envelope.task_id, args, kwargs, settings
+                )
+            except Exception:  # e.g. Celery kept a serializer from before a change
+                logger.debug("No template for %s", envelope.task_name, exc_info=True)
+            else:
+                if _same_message(rebuilt, envelope):
+                    found = template
         if len(templates) >= _MAX_SHAPES:  # shapes keyed on values computed per call
             templates.clear()
         templates[key] = found

@@ -98,6 +98,14 @@ def test_other_options_make_another_shape(app: OutboxCelery) -> None:
     assert '"priority": 5' in row(last).properties
 
 
+def test_equal_options_of_another_type_make_another_shape(app: OutboxCelery) -> None:
+    """``True == 1``, but Celery writes them differently into the message."""
+    send(app, 1, ignore_result=True)
+    send(app, 2, ignore_result=True)
+    assert '"ignore_result": 1,' in row(send(app, 3, ignore_result=1)).headers
+    assert reusable(app) == 2
+
+
 def test_a_configuration_change_reaches_the_next_call(app: OutboxCelery) -> None:
     """Celery reads ``task_repr_maxlevels`` on every call: so must a template."""
     nested = ([1, [2, [3, [4]]]],)
