@@ -77,11 +77,13 @@ class OutboxCelery(Celery):
         settings: OutboxSettings,
     ) -> Any:
         """Reuse the template of the call's shape, or go through Celery and learn one."""
-        key = Shapes.key(name, call_args, options)
+        key = Shapes.key(name, call_args, options)  # before the producer is set
         producer = options["producer"] = self._thread_producer()
         conf = self.conf
         parts = call_parts(call_args)
         task_id = task_id_of(options)
+        if task_id is not None:
+            options["task_id"] = task_id  # Celery, if it sends this call, uses it too
         if (
             key is None
             or parts is None
@@ -94,7 +96,6 @@ class OutboxCelery(Celery):
         if template is None:
             process = current_process()
             producer.last = None
-            options["task_id"] = task_id
             result = super().send_task(name, *call_args, **options)
             if producer.last is not None:
                 self._outbox_shapes.learn(
