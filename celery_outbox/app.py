@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -213,6 +214,9 @@ def resolve_app(settings: OutboxSettings | None = None) -> OutboxCelery:
                 f"OutboxCelery. Create your app with celery_outbox.OutboxCelery(...)."
             )
         return app
+    if len(_instances) > 1:
+        # A dropped app lives on in its reference cycles until the collector runs.
+        gc.collect()
     apps = list(_instances)
     if len(apps) == 1:
         return apps[0]

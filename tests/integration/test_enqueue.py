@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import uuid
 from decimal import Decimal
@@ -240,3 +241,17 @@ def test_a_value_too_wide_for_its_column_fails_at_the_call(
         fine = record.delay("fine")
     assert [r.task_id for r in rows(alias)] == [fine.id]
     assert Order.objects.using(alias).count() == 1
+
+
+def test_an_app_dropped_but_not_yet_collected_does_not_make_the_choice_ambiguous() -> (
+    None
+):
+    only = resolve_app(get_settings())
+    gc.disable()  # as if the collector had not run since the app was dropped
+    try:
+        dropped = OutboxCelery("dropped", set_as_current=False)
+        dropped.conf.update(itself=dropped)  # a reference cycle, as Celery apps have
+        del dropped
+        assert resolve_app(get_settings()) is only
+    finally:
+        gc.enable()
