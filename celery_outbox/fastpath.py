@@ -46,14 +46,13 @@ from typing import Any, TypeGuard
 
 from celery import signals
 from celery.app.routes import MapRoute
-from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 from kombu.compression import compress
 
 from .conf import OutboxSettings
 from .contrib.logcontext import capture_log_context
 from .enqueue import OTEL_TRACE_MODULE, preview, serialize
-from .envelope import Envelope
+from .envelope import Envelope, JsonObject, JsonTemplate, json_text
 
 logger = logging.getLogger("celery_outbox")
 
@@ -111,6 +110,10 @@ _UNSET = frozenset(
 #: Options read per call, never part of the key.
 _PER_CALL = frozenset({"task_id", "task_type", "result_cls"})
 _PLAIN = (str, int, float, bool, type(None))
+
+#: Where the stored headers and properties of two calls of one shape differ.
+_OPEN_HEADERS = ("id", "root_id", "argsrepr", "kwargsrepr")
+_OPEN_PROPERTIES = ("correlation_id",)
 
 #: The third part of a protocol 2 body when no canvas option is set (never mutated).
 _NO_CANVAS: Mapping[str, None] = {
@@ -177,6 +180,9 @@ class Template:
     #: Header values that are containers: copied per call, so messages share nothing.
     containers: tuple[str, ...]
     properties: Mapping[str, Any]
+    #: The stored JSON of the headers and properties, open where a call changes them.
+    headers_json: JsonTemplate
+    properties_json: JsonTemplate
     exchange: str
     routing_key: str
     declare: tuple[str, ...]
@@ -219,8 +225,9 @@ class Template:
             body=body,
             content_type=content_type,
             content_encoding=content_encoding,
-            headers=headers,
-            properties=properties,
+            # The store writes these texts as they are: no JSON encoding per call.
+            headers=JsonObject(self.headers_json.fill(headers), headers),
+            properties=JsonObject(self.properties_json.fill(properties), properties),
             declare=self.declare,
             queue=self.queue,
             arguments_preview=preview(headers),
@@ -352,6 +359,10 @@ def _template_of(
         or not all(type(route) is MapRoute for route in app.amqp.routes)
     ):
         return None
+    headers_json = JsonTemplate.of(headers, _OPEN_HEADERS)
+    properties_json = JsonTemplate.of(envelope.properties, _OPEN_PROPERTIES)
+    if headers_json is None or properties_json is None:
+        return None
     conf = app.conf
     amqp = app.amqp
     return Template(
@@ -360,6 +371,8 @@ def _template_of(
         headers=dict(headers),
         containers=tuple(k for k, v in headers.items() if isinstance(v, (dict, list))),
         properties=dict(envelope.properties),
+        headers_json=headers_json,
+        properties_json=properties_json,
         exchange=envelope.exchange,
         routing_key=envelope.routing_key,
         declare=envelope.declare,
@@ -379,6 +392,8 @@ def _same_message(ours: Envelope, celerys: Envelope) -> bool:
         and ours.content_encoding == celerys.content_encoding
         and dict(ours.headers) == dict(celerys.headers)
         and dict(ours.properties) == dict(celerys.properties)
+        and json_text(ours.headers) == json_text(celerys.headers)
+        and json_text(ours.properties) == json_text(celerys.properties)
         and ours.arguments_preview == celerys.arguments_preview
     )
 
@@ -396,8 +411,24 @@ def task_id_of(options: Mapping[str, Any]) -> str | None:
     """The id the call asked for, a new one as Celery makes it, or None if not a str."""
     given = options.get("task_id")
     if not given:
-        return str(uuid())
+        return new_task_id()
     return given if type(given) is str else None
+
+
+#: The version (4) and variant (RFC 4122) bits of a random UUID, and their mask.
+_UUID4_BITS = (0x4000 << 64) | (0x8000 << 48)
+_UUID4_MASK = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
+
+
+def new_task_id() -> str:
+    """A random UUID in its text form, as Celery's ``uuid()`` (``str(uuid4())``) writes it.
+
+    The same 16 bytes from ``os.urandom`` and the same text, without building a
+    ``uuid.UUID`` object on the way.
+    """
+    value = int.from_bytes(os.urandom(16), "big") & _UUID4_MASK | _UUID4_BITS
+    text = f"{value:032x}"
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def current_process() -> object:

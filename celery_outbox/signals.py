@@ -63,8 +63,8 @@ def send_created(envelopes: Sequence[Envelope], using: str) -> None:
     database error), their writes are rolled back to it and the caller's transaction
     and the outbox rows stay intact.
     """
-    if not message_created.has_listeners(_sender()):
-        return
+    if not message_created.receivers or not message_created.has_listeners(_sender()):
+        return  # the first test costs nothing when nobody is connected
     connection = connections[using]
     savepoint = (
         transaction.savepoint(using=using) if connection.in_atomic_block else None

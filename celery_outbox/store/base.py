@@ -16,6 +16,9 @@ from .dialects import (
     dialect_for,
 )
 
+#: The attribute of a Django connection object that holds its :class:`Dialect`.
+_DIALECT = "_celery_outbox_dialect"
+
 
 class StoreBase:
     """The outbox tables on one database alias."""
@@ -30,9 +33,17 @@ class StoreBase:
 
     @property
     def dialect(self) -> Dialect:
-        """SQL for this alias's vendor (on MySQL this asks the server its version)."""
-        with self._translated():
-            return dialect_for(self.connection)
+        """SQL for this alias's vendor (on MySQL this asks the server its version).
+
+        Kept on the Django connection object, which lives as long as its settings.
+        """
+        connection = self.connection
+        found: Dialect | None = connection.__dict__.get(_DIALECT)
+        if found is None:
+            with self._translated():
+                found = dialect_for(connection)
+            connection.__dict__[_DIALECT] = found
+        return found
 
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:

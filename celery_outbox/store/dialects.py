@@ -160,11 +160,12 @@ class PostgresDialect(Dialect):
         # The client-side merge of psycopg 3 costs more than the INSERT's own
         # execution. literal() is exact only where a backslash is an ordinary
         # character in '...' and the text travels as UTF-8; the session says which.
-        info = getattr(connection.connection, "info", None)
+        # libpq's copy of what the server last reported: no round trip.
+        pgconn = getattr(connection.connection, "pgconn", None)
         try:
             return bool(
-                info.parameter_status("standard_conforming_strings") == "on"  # type: ignore[union-attr]
-                and info.encoding == "utf-8"  # type: ignore[union-attr]
+                pgconn.parameter_status(b"standard_conforming_strings") == b"on"  # type: ignore[union-attr]
+                and pgconn.parameter_status(b"client_encoding") == b"UTF8"  # type: ignore[union-attr]
             )
         except AttributeError:  # no open connection, or psycopg 2
             return False

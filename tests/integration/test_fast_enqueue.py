@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from celery import signals
 from celery.utils.saferepr import saferepr
+from django.conf import settings
 from django.db import transaction
 
 from celery_outbox import OutboxCelery, fastpath
@@ -29,6 +30,7 @@ from tests.project.shop.models import Order
 
 from ..conftest import BROKER_AMQP
 from .builders import envelope
+from .conftest import ALIASES
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
@@ -245,3 +247,39 @@ def test_a_nul_character_is_refused_at_the_call(alias: str) -> None:
     ):
         store.insert([envelope("nul", routing_key="a\x00b")])
     assert store.stats().pending == 0
+
+
+PG_ALIASES = [
+    name for name in ALIASES if "postgresql" in settings.DATABASES[name]["ENGINE"]
+]
+
+
+@pytest.mark.parametrize("pg_alias", PG_ALIASES)
+@pytest.mark.parametrize(
+    "setting",
+    ["standard_conforming_strings = off", "client_encoding = 'LATIN1'"],
+)
+def test_the_driver_binds_the_values_where_literals_would_not_be_exact(
+    pg_alias: str, setting: str
+) -> None:
+    store = OutboxStore(pg_alias)
+    tricky = TRICKY.replace("✓", "")  # LATIN1 has no check mark
+    message = envelope(
+        "session",
+        headers={"argsrepr": tricky},
+        properties={"correlation_id": tricky},
+        body=bytes(range(256)),
+        arguments_preview=tricky,
+    )
+    with transaction.atomic(using=pg_alias):
+        with store.connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL {setting}")
+        assert store.insert_text([message], notify=False) is None
+        store.insert([message])
+    with transaction.atomic(using=pg_alias):
+        assert store.insert_text([message], notify=False) is not None  # reset at commit
+    [claimed] = store.claim(10, 30).messages
+    assert claimed.envelope.body == message.body
+    assert dict(claimed.envelope.headers) == {"argsrepr": tricky}
+    assert dict(claimed.envelope.properties) == {"correlation_id": tricky}
+    assert claimed.envelope.arguments_preview == tricky

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from celery.utils.saferepr import saferepr
 
-from celery_outbox.fastpath import arguments_repr
+from celery_outbox.envelope import JsonTemplate, dump_json
+from celery_outbox.fastpath import arguments_repr, new_task_id
 
 
 class Colour(enum.IntEnum):
@@ -81,3 +82,79 @@ def test_a_small_limit_is_celerys_too() -> None:
     args = ("abcdefghij", 1234567890, "k")
     for limit in (1, 5, 12, 30, 60):
         assert arguments_repr(args, limit, 3) == saferepr(args, limit, maxlevels=3)
+
+
+def test_new_task_ids_are_random_uuid4_text_as_celery_writes_it() -> None:
+    ids = [new_task_id() for _ in range(2_000)]
+    assert len(set(ids)) == len(ids)
+    for text in ids:
+        parsed = uuid.UUID(text)
+        assert parsed.version == 4
+        assert parsed.variant == uuid.RFC_4122
+        assert str(parsed) == text  # lower-case hex, dashes where Celery's are
+    # Every random bit is used: each hex digit outside the fixed ones takes many values.
+    columns = list(zip(*(text.replace("-", "") for text in ids), strict=True))
+    fixed = {12, 16}  # the version digit, and the variant digit (8, 9, a or b)
+    assert {
+        len(set(column)) for index, column in enumerate(columns) if index not in fixed
+    } == {16}
+    assert set(columns[12]) == {"4"}
+    assert set(columns[16]) == set("89ab")
+
+
+# -- the stored JSON of a repeated call's headers ----------------------------------
+
+#: Strings whose JSON escaping is not trivial.
+AWKWARD = [
+    "",
+    "plain",
+    'quote " and \\ backslash',
+    "".join(map(chr, range(32))) + "\x7f",
+    "ünïcødé ✓ 😀 \ud800",  # a lone surrogate, as repr() can hand it over
+    "</script>\u2028\u2029",
+    "x" * 5_000,
+]
+
+
+@pytest.mark.parametrize("value", AWKWARD, ids=repr)
+def test_a_json_template_writes_what_dump_json_writes(value: str) -> None:
+    example = {
+        "lang": "py",
+        "id": "first",
+        "timelimit": [None, None],
+        "argsrepr": "(1,)",
+        "stamps": {},
+        "kwargsrepr": "{}",
+        "retries": 0,
+    }
+    template = JsonTemplate.of(example, ("id", "argsrepr", "kwargsrepr"))
+    assert template is not None
+    assert template.fill(example) == dump_json(example)
+    call = dict(example, id=value, argsrepr=value[::-1], kwargsrepr=value * 2)
+    assert template.fill(call) == dump_json(call)
+
+
+def test_open_keys_may_come_first_or_last() -> None:
+    example = {"id": "a", "n": 1, "last": "z"}
+    template = JsonTemplate.of(example, ("last", "id"))
+    assert template is not None
+    call = {"id": "b'c", "n": 1, "last": "y\n"}
+    assert template.fill(call) == dump_json(call)
+
+
+@pytest.mark.parametrize(
+    "example",
+    [{"id": None, "n": 1}, {"id": 7}, {"n": 1}],
+    ids=["None", "int", "missing"],
+)
+def test_only_string_values_are_left_open(example: dict[str, Any]) -> None:
+    assert JsonTemplate.of(example, ("id",)) is None
+
+
+def test_values_kombu_encodes_stay_as_kombu_wrote_them() -> None:
+    example = {"id": "a", "amount": decimal.Decimal("1.50"), "when": uuid.UUID(int=5)}
+    template = JsonTemplate.of(example, ("id",))
+    assert template is not None
+    call = dict(example, id="b")
+    assert template.fill(call) == dump_json(call)
+    assert '"__type__"' in template.fill(call)
