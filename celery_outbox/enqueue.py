@@ -274,8 +274,8 @@ def serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, byt
             # kombu's encoder differs from the standard one only for values the
             # standard one refuses: the same text, from the cached C encoder.
             text = json.dumps(body)
-        except (TypeError, ValueError):
-            pass  # a date, UUID, Decimal...: kombu's encoder below
+        except (TypeError, ValueError, RecursionError):
+            pass  # a date, UUID, Decimal... or a mistake: kombu's encoder, or its error
         else:
             return "application/json", "utf-8", text.encode()
     try:

@@ -64,3 +64,11 @@ def test_what_json_cannot_encode_is_named() -> None:
         match=r"positional argument 1 of type builtins\.object",
     ):
         serialize(((1, object()), {}, NO_CANVAS), "json", "shop.work")
+
+
+def test_a_body_too_deep_to_encode_is_refused_with_the_outbox_error() -> None:
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(OutboxSerializationError, match="Nothing was written"):
+        serialize(((deep,), {}, NO_CANVAS), "json", "shop.work")
