@@ -323,13 +323,17 @@ def _exclusive_file_lock(path: str) -> Iterator[None]:
 _INSERT_HEAD = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
 
 
+#: The text columns a caller's values reach unescaped, and their widths (None: any).
+_TEXT_LIMITS: dict[str, int | None] = {**COLUMN_LIMITS, "arguments_preview": None}
+
+
 def _check_fits(envelope: Envelope) -> None:
     """Refuse, at the call, a value its column would truncate or reject at the INSERT."""
-    for column, limit in COLUMN_LIMITS.items():
+    for column, limit in _TEXT_LIMITS.items():
         value = getattr(envelope, column)
         if value is None:
             continue
-        if len(value) > limit:
+        if limit is not None and len(value) > limit:
             raise OutboxValueError(
                 f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} is "
                 f"{len(value)} characters long and the outbox stores at most {limit}. "

@@ -283,3 +283,13 @@ def test_the_driver_binds_the_values_where_literals_would_not_be_exact(
     assert dict(claimed.envelope.headers) == {"argsrepr": tricky}
     assert dict(claimed.envelope.properties) == {"correlation_id": tricky}
     assert claimed.envelope.arguments_preview == tricky
+
+
+def test_a_nul_in_the_arguments_preview_is_refused_at_the_call(alias: str) -> None:
+    store = OutboxStore(alias)
+    with (
+        transaction.atomic(using=alias),
+        pytest.raises(OutboxValueError, match="its arguments_preview contains a NUL"),
+    ):
+        store.insert([envelope("nul-preview", arguments_preview="args=('a\x00b',)")])
+    assert store.stats().pending == 0
