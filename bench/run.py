@@ -334,6 +334,73 @@ def machine_info(brokers: Brokers) -> list[tuple[str, str]]:
 # -- 1. enqueue ----------------------------------------------------------------
 
 
+def outbox_row_text() -> str:
+    """The INSERT the write-on-commit engine sends for one ``noop.delay()``, as text.
+
+    Made by a real call inside a block that then rolls back: nothing is written.
+    """
+    from django.db import connections, transaction
+    from django.test import override_settings
+
+    from bench.celery import noop
+    from celery_outbox.store import OutboxStore
+
+    with override_settings(CELERY_OUTBOX_DATABASE="commit"):
+        with transaction.atomic(using="commit"):
+            noop.delay(1)
+            envelopes, _ = connections["commit"].outbox_held_rows.take()
+            transaction.set_rollback(True, using="commit")
+        text = OutboxStore("commit").insert_text(envelopes, notify=False)
+    if len(envelopes) != 1 or text is None:
+        raise BenchError("could not capture the engine's INSERT of one outbox row")
+    return text
+
+
+class Floor:
+    """The enqueue's floor: its two transactions sent by psycopg alone.
+
+    ``bare`` is ``BEGIN``, the business INSERT and ``COMMIT``; ``row`` adds the
+    outbox row, prebuilt, in the ``COMMIT``'s message as the engine sends it. The
+    difference is what the row costs the server and the driver before any of Django,
+    Celery or celery-outbox runs.
+    """
+
+    _ORDER = (
+        "INSERT INTO bench_benchorder (number, amount, created_at) "
+        "VALUES (%s, %s, now()) RETURNING id"
+    )
+
+    def __init__(self, conn: Any, row_text: str) -> None:
+        from psycopg import ClientCursor
+
+        self._conn = conn
+        self._cursor = ClientCursor(conn)
+        self._row_commit = row_text + "; COMMIT"
+
+    @classmethod
+    def open(cls, row_text: str) -> Floor:
+        from django.db import connections
+
+        wrapper = connections["default"]
+        conn = wrapper.get_new_connection(wrapper.get_connection_params())
+        conn.autocommit = False
+        return cls(conn, row_text)
+
+    def bare(self, number: int) -> None:
+        self._cursor.execute(self._ORDER, (str(number), number))
+        self._cursor.fetchone()
+        self._conn.commit()
+
+    def row(self, number: int) -> None:
+        self._cursor.execute(self._ORDER, (str(number), number))
+        self._cursor.fetchone()
+        self._cursor.execute(self._row_commit)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+
 def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
     from django.db import transaction
     from django.test import override_settings
@@ -362,12 +429,16 @@ def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
     def send(number: int) -> None:
         direct.send_task(env.TASK_NAME, args=(number,))
 
+    floor = Floor.open(outbox_row_text())
+
     # name: (one call, the settings it runs under)
     variants: dict[str, tuple[Callable[[int], None], dict[str, Any]]] = {
         "bare": (bare, {}),
         "outbox": (outbox, {}),
         "outbox_commit": (outbox_commit, {"CELERY_OUTBOX_DATABASE": "commit"}),
         "direct": (send, {}),
+        "floor_bare": (floor.bare, {}),
+        "floor_row": (floor.row, {}),
     }
     samples: dict[str, list[float]] = {name: [] for name in variants}
     brokers.amqp_purge()
@@ -387,10 +458,11 @@ def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
                 elapsed = time.perf_counter() - started
             samples[name].append(elapsed / sizes.enqueue_n * 1e6)
     rows = outbox_count()
-    if rows != 2 * sizes.enqueue_n:  # outbox and outbox_commit
-        raise BenchError(f"expected {2 * sizes.enqueue_n} outbox rows, found {rows}")
+    if rows != 3 * sizes.enqueue_n:  # outbox, outbox_commit and floor_row
+        raise BenchError(f"expected {3 * sizes.enqueue_n} outbox rows, found {rows}")
     truncate()
     brokers.amqp_purge()
+    floor.close()
     with contextlib.suppress(Exception):
         direct.close()
     report.enqueue_samples = samples
@@ -761,6 +833,22 @@ def render(report: Report, only: str | None) -> str:
         add(
             f"  {'send_task() straight to RabbitMQ (plain Celery)':<50} {e['direct']:>9.0f} µs"
         )
+        if "floor_row" in e:
+            row = e["floor_row"] - e["floor_bare"]
+            budget = e["bare"] * TARGET_OVERHEAD_PCT / 100
+            add(
+                f"  {'floor: the same transaction from psycopg alone':<50} "
+                f"{e['floor_bare']:>9.0f} µs"
+            )
+            add(
+                f"  {'  + the outbox row, prebuilt, with the COMMIT':<50} "
+                f"{e['floor_row']:>9.0f} µs   +{row:.0f} µs = "
+                f"{row / e['bare'] * 100:.1f} % of bare"
+            )
+            add(
+                f"  (the target allows {budget:.0f} µs over bare: {budget - row:.0f} µs "
+                f"for everything but the row's own cost)"
+            )
     if report.drain:
         add("")
         add(
