@@ -31,13 +31,16 @@ class _Confirms:
 
     def __init__(self, first_tag: int = 1) -> None:
         self.next_tag = first_tag
-        self.by_tag: dict[int, int] = {}  # delivery tag -> outbox row id
-        self.by_task: dict[str, list[int]] = {}  # task id -> row ids not yet confirmed
+        self.by_tag: dict[int, StoredMessage] = {}  # unconfirmed delivery tag -> row
+        #: (exchange, routing key) -> delivery tags sent there, in publish order
+        self.by_route: dict[tuple[str, str], list[int]] = {}
         self.results: dict[int, PublishResult] = {}
 
     def sent(self, message: StoredMessage) -> None:
-        self.by_tag[self.next_tag] = message.id
-        self.by_task.setdefault(message.envelope.task_id, []).append(message.id)
+        envelope = message.envelope
+        self.by_tag[self.next_tag] = message
+        route = (envelope.exchange, envelope.routing_key)
+        self.by_route.setdefault(route, []).append(self.next_tag)
         self.next_tag += 1
 
     def settle(
@@ -45,24 +48,55 @@ class _Confirms:
     ) -> None:
         tags = [t for t in self.by_tag if t <= tag] if multiple else [tag]
         for t in tags:
-            row_id = self.by_tag.pop(t, None)
-            if row_id is not None and row_id not in self.results:
-                self.results[row_id] = PublishResult(row_id, outcome, error)
+            message = self.by_tag.pop(t, None)
+            if message is not None and message.id not in self.results:
+                self.results[message.id] = PublishResult(message.id, outcome, error)
 
     def returned(
         self, exc: BaseException, exchange: str, routing_key: str, message: Any
     ) -> None:
-        headers = getattr(message, "headers", None) or {}
-        rows = self.by_task.get(str(headers.get("id", "")), [])
-        for row_id in rows:
-            if row_id not in self.results:
-                self.results[row_id] = PublishResult(
-                    row_id,
-                    Outcome.FAILED,
-                    f"Unroutable: {describe(exc)} (exchange={exchange!r}, "
-                    f"routing_key={routing_key!r}); no queue is bound for it.",
-                )
-                return
+        row = self._returned_row(exchange, routing_key, message)
+        if row is None:
+            logger.warning(
+                "The broker returned a message the relay did not send on this "
+                "channel (exchange=%r, routing_key=%r); ignored.",
+                exchange,
+                routing_key,
+            )
+            return
+        self.results[row.id] = PublishResult(
+            row.id,
+            Outcome.FAILED,
+            f"Unroutable: {describe(exc)} (exchange={exchange!r}, "
+            f"routing_key={routing_key!r}); no queue is bound for it.",
+        )
+
+    def _returned_row(
+        self, exchange: str, routing_key: str, message: Any
+    ) -> StoredMessage | None:
+        """The row a ``basic.return`` belongs to.
+
+        The broker returns a message before it confirms it, so the row is among the
+        unconfirmed ones sent to that exchange and routing key. Rows there may share a
+        task id (a caller's own id, or no id header at all): the returned body and id
+        header pick the right one; only rows identical in both are taken in publish
+        order, and for those it makes no difference which one is retried.
+        """
+        waiting = [
+            self.by_tag[tag]
+            for tag in self.by_route.get((exchange, routing_key), ())
+            if tag in self.by_tag and self.by_tag[tag].id not in self.results
+        ]
+        body = getattr(message, "body", None)
+        if isinstance(body, str):
+            body = body.encode(getattr(message, "content_encoding", None) or "utf-8")
+        task_id = (getattr(message, "headers", None) or {}).get("id")
+
+        def likeness(row: StoredMessage) -> tuple[bool, bool]:
+            envelope = row.envelope
+            return envelope.body == body, as_dict(envelope.headers).get("id") == task_id
+
+        return max(waiting, key=likeness, default=None)  # the first of the likest
 
     @property
     def waiting(self) -> bool:
@@ -86,6 +120,9 @@ class HeldFrames:
         self._this_frame_held = False
         self._held = bytearray()
         self._transport: Any = None
+        #: Frames handed to :meth:`write` so far: an error raised while this stands
+        #: still came before any byte of the publish was written.
+        self.reached = 0
 
     def __call__(self, connection: Any, transport: Any) -> Callable[..., Any]:
         """The writer for a new connection (py-amqp calls this when it connects)."""
@@ -109,6 +146,7 @@ class HeldFrames:
 
     def write(self, data: Any) -> None:
         """What the standard writer calls with each encoded frame."""
+        self.reached += 1
         if not self._this_frame_held:
             self._transport.write(data)
             return
@@ -240,6 +278,9 @@ class AmqpPublisher:
     def _publish_batch(
         self, messages: Sequence[StoredMessage], budget: Budget
     ) -> dict[int, PublishResult]:
+        # Nothing an earlier batch left may answer for this one, even when opening
+        # the channel fails.
+        self._confirms = _Confirms()
         channel = self._open_channel()
         # Delivery tags count every publish on the channel since confirm_select.
         confirms = self._confirms = _Confirms(self._next_tag)
@@ -255,7 +296,10 @@ class AmqpPublisher:
                 if failure is not None:
                     confirms.results[message.id] = failure
                     continue
-                self._send(channel, message)
+                refused = self._send(channel, message)
+                if refused is not None:
+                    confirms.results[message.id] = refused
+                    continue
                 if self._confirm:
                     confirms.sent(message)
                     self._next_tag = confirms.next_tag
@@ -362,23 +406,43 @@ class AmqpPublisher:
             self._probe = self._connection.connection.channel()
         return self._probe
 
-    def _send(self, channel: Any, message: StoredMessage) -> None:
-        """Encode one publish; its frames are held until the batch is released."""
+    def _send(self, channel: Any, message: StoredMessage) -> PublishResult | None:
+        """Encode one publish; its frames are held until the batch is released.
+
+        Returns a failure when the message cannot be put into AMQP frames at all (an
+        integer header beyond 64 bits, a name or routing key over 255 bytes, a
+        priority that is no number): py-amqp refuses it before any byte of it is
+        written, so it fails alone and the channel's delivery tags stay in step.
+        """
         envelope = message.envelope
-        body = amqp.Message(
-            envelope.body,
-            content_type=envelope.content_type,
-            content_encoding=envelope.content_encoding,
-            application_headers=as_dict(envelope.headers),
-            priority=envelope.priority,
-            **envelope_properties(message),
-        )
-        channel.basic_publish(
-            body,
-            exchange=envelope.exchange,
-            routing_key=envelope.routing_key,
-            mandatory=self._mandatory,
-        )
+        reached = self._frames.reached
+        try:
+            body = amqp.Message(
+                envelope.body,
+                content_type=envelope.content_type,
+                content_encoding=envelope.content_encoding,
+                application_headers=as_dict(envelope.headers),
+                priority=envelope.priority,
+                **envelope_properties(message),
+            )
+            channel.basic_publish(
+                body,
+                exchange=envelope.exchange,
+                routing_key=envelope.routing_key,
+                mandatory=self._mandatory,
+            )
+        except (OSError, amqp_errors.RecoverableConnectionError):
+            raise  # the connection, not the message
+        except Exception as exc:
+            if self._frames.reached != reached:
+                raise  # part of the publish went out: the batch's error
+            return PublishResult(
+                message.id,
+                Outcome.FAILED,
+                f"The message cannot be encoded for AMQP: {describe(exc)}. Check its "
+                f"headers, properties, exchange and routing key.",
+            )
+        return None
 
     def _await(self, budget: Budget) -> None:
         """Wait for every confirm, in slices of at most a second so the relay can

@@ -119,6 +119,103 @@ def test_amqp_unknown_exchange_fails_alone(queue_name: str) -> None:
     assert queued(queue_name) == 2
 
 
+@pytest.mark.parametrize("with_id", [True, False], ids=["same task id", "no id header"])
+def test_amqp_returned_message_is_told_from_its_namesake(
+    queue_name: str, with_id: bool
+) -> None:
+    # Two rows that look alike to a header lookup: the first goes to a durable queue,
+    # so its confirm waits for the disk, while the second is returned at once.
+    exchange = f"outbox-x-{uuid.uuid4().hex[:8]}"
+    task_id = f"twin-{uuid.uuid4().hex[:8]}"
+    headers = {"id": task_id, "task": "shop.record"} if with_id else {"task": "t"}
+    with Connection(BROKER_AMQP) as conn:
+        Exchange(exchange, "direct", durable=False, auto_delete=True)(
+            conn.channel()
+        ).declare()
+        for _ in range(5):
+            routed = StoredMessage(
+                1,
+                0,
+                envelope(
+                    "routed",
+                    task_id=task_id,
+                    headers=headers,
+                    routing_key=queue_name,
+                    declare=(queue_name,),
+                    queue=queue_name,
+                ),
+            )
+            lost = StoredMessage(
+                2,
+                0,
+                envelope(
+                    "lost",
+                    task_id=task_id,
+                    headers=headers,
+                    exchange=exchange,
+                    routing_key="nowhere",
+                    declare=(),
+                ),
+            )
+            publisher = amqp_publisher()
+            results = publisher.publish(
+                [routed, lost], FixedBudget(time.monotonic() + 10)
+            )
+            publisher.close()
+            outcomes = {r.message_id: r.outcome for r in results}
+            assert outcomes == {1: Outcome.PUBLISHED, 2: Outcome.FAILED}
+    assert queued(queue_name) == 5
+
+
+def test_amqp_outage_after_a_failed_batch_is_an_outage(queue_name: str) -> None:
+    # A refused batch, then the broker goes away: the next batch must not be answered
+    # with the results the refused one left behind (each would use up an attempt).
+    url = [BROKER_AMQP]
+    publisher = AmqpPublisher(
+        lambda: Connection(url[0], connect_timeout=2),
+        lambda name: Queue(name, routing_key=name),
+    )
+    refused = StoredMessage(
+        7, 0, envelope("x", exchange=f"missing-{uuid.uuid4().hex}", declare=())
+    )
+    first = publisher.publish([refused], FixedBudget(time.monotonic() + 5))
+    assert [r.outcome for r in first] == [Outcome.FAILED]
+    publisher.close()
+    url[0] = DEAD_PORT
+    for _ in range(2):
+        again = publisher.publish([refused], FixedBudget(time.monotonic() + 5))
+        assert [r.outcome for r in again] == [Outcome.OUTAGE]
+
+
+@pytest.mark.parametrize(
+    ("label", "overrides"),
+    [
+        ("header integer of 2**70", {"headers": {"id": "big", "n": 2**70}}),
+        ("header name over 255 bytes", {"headers": {"id": "long", "k" * 300: 1}}),
+        ("priority that is no number", {"properties": {"priority": "high"}}),
+        ("routing key over 255 bytes", {"routing_key": "é" * 200}),
+    ],
+)
+def test_amqp_message_that_cannot_be_encoded_fails_alone(
+    queue_name: str, label: str, overrides: dict[str, Any]
+) -> None:
+    good = stored(queue_name, 4)
+    bad = StoredMessage(60, 0, envelope("bad", declare=(), **overrides))
+    publisher = amqp_publisher()
+    results = publisher.publish(
+        [good[0], good[1], bad, good[2]], FixedBudget(time.monotonic() + 10)
+    )
+    # The channel keeps counting delivery tags right: the next batch is confirmed.
+    later = publisher.publish([good[3]], FixedBudget(time.monotonic() + 10))
+    publisher.close()
+    outcome = {r.message_id: r for r in results}
+    assert outcome[60].outcome is Outcome.FAILED, label
+    assert "cannot be encoded" in outcome[60].error
+    assert [outcome[m.id].outcome for m in good[:3]] == [Outcome.PUBLISHED] * 3
+    assert [r.outcome for r in later] == [Outcome.PUBLISHED]
+    assert queued(queue_name) == 4
+
+
 def test_amqp_unreachable_broker_is_an_outage_not_a_failure() -> None:
     publisher = amqp_publisher(DEAD_PORT)
     started = time.monotonic()

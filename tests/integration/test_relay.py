@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from django.db import transaction
+from kombu import Connection, Queue
 
 from celery_outbox.broker import InMemoryPublisher
+from celery_outbox.broker.amqp import AmqpPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.models import DeadLetter, OutboxMessage
@@ -19,6 +22,7 @@ from celery_outbox.relay.events import Idle, RelayEvent, StopReason
 from celery_outbox.relay.loop import Cycle, Relay
 from celery_outbox.store import OutboxStore
 
+from ..conftest import BROKER_AMQP
 from .builders import envelope, start_in_thread
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
@@ -80,6 +84,46 @@ def test_a_poison_message_is_dead_lettered_after_its_attempts_and_blocks_nothing
     assert dead.task_id.startswith("poison")
     assert dead.attempts == 3
     assert dead.last_error == "PreconditionFailed: body too large"
+
+
+@pytest.mark.parametrize("alias", ["default"])
+def test_a_header_rabbitmq_cannot_carry_is_dead_lettered_and_stops_nothing(
+    alias: str,
+) -> None:
+    # JSON stores any integer; AMQP tables stop at 64 bits. The relay must neither
+    # crash on such a row (it would come back after its lease, forever) nor let it
+    # hold up the rows around it.
+    queue = f"outbox-relay-{uuid.uuid4().hex[:8]}"
+    with transaction.atomic(using=alias):
+        OutboxStore(alias).insert(
+            [
+                envelope(tag, routing_key=queue, declare=(queue,), queue=queue)
+                for tag in ("good-1", "good-2")
+            ]
+            + [envelope("huge", headers={"id": "huge", "n": 2**70}, declare=())]
+        )
+    publisher = AmqpPublisher(
+        lambda: Connection(BROKER_AMQP, connect_timeout=2),
+        lambda name: Queue(name, routing_key=name),
+    )
+    relay = relay_for(alias, publisher, until_empty=True)
+    try:
+        deadline = time.monotonic() + 10
+        while (
+            OutboxMessage.objects.using(alias).exists() and time.monotonic() < deadline
+        ):
+            relay.run()
+            time.sleep(0.02)
+        dead = DeadLetter.objects.using(alias).get()
+        assert dead.task_id.startswith("huge")
+        assert dead.attempts == 3
+        assert "cannot be encoded for AMQP" in dead.last_error
+        with Connection(BROKER_AMQP) as conn:
+            channel = conn.channel()
+            assert channel.queue_declare(queue, passive=True)[1] == 2
+            channel.queue_delete(queue)
+    finally:
+        publisher.close()
 
 
 def test_an_outage_uses_no_attempts_and_opens_the_breaker(alias: str) -> None:
