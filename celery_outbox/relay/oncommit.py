@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections, transaction
@@ -24,6 +25,15 @@ from .loop import Relay
 logger = logging.getLogger("celery_outbox.oncommit")
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """The callback a thread's current transaction will run, and the ids it will publish."""
+
+    alias: str
+    task_ids: list[str]
+    callback: Callable[[], None]
+
+
 class CommitPublisher:
     """Publishes each committed transaction's rows from the process that wrote them."""
 
@@ -35,23 +45,34 @@ class CommitPublisher:
     def schedule(self, alias: str, task_ids: Sequence[str]) -> None:
         """Publish these tasks' rows once the current transaction on ``alias`` commits.
 
-        Several calls in one transaction share one callback (one claim, one batch).
+        Several calls in one transaction share one callback (one claim, one batch),
+        as long as that callback is still registered: a rolled-back savepoint or
+        transaction drops it, and the next call registers a new one.
         """
         connection = connections[alias]
         if not connection.in_atomic_block:
             self._flush(alias, list(task_ids))
             return
-        outermost = connection.atomic_blocks[0]
-        pending = getattr(self._local, "pending", None)
-        if pending is not None and pending[0] is outermost and pending[1] == alias:
-            pending[2].extend(task_ids)
+        pending: _Pending | None = getattr(self._local, "pending", None)
+        if (
+            pending is not None
+            and pending.alias == alias
+            and any(entry[1] is pending.callback for entry in connection.run_on_commit)
+        ):
+            pending.task_ids.extend(task_ids)
             return
         ids = list(task_ids)
-        self._local.pending = (outermost, alias, ids)
-        transaction.on_commit(lambda: self._flush(alias, ids), using=alias)
+
+        def callback() -> None:
+            self._flush(alias, ids)
+
+        self._local.pending = _Pending(alias, ids, callback)
+        transaction.on_commit(callback, using=alias)
 
     def _flush(self, alias: str, task_ids: list[str]) -> None:
-        self._local.pending = None
+        pending: _Pending | None = getattr(self._local, "pending", None)
+        if pending is not None and pending.task_ids is task_ids:
+            self._local.pending = None
         try:
             relay = self._relay(alias)
             if relay.breaker.is_open(relay.clock()):

@@ -65,3 +65,38 @@ def test_without_the_setting_rows_wait_for_the_relay(test_queue: str) -> None:
         record.delay("later")
     assert OutboxMessage.objects.count() == 1
     assert drain_queue(test_queue) == []
+
+
+def test_a_rolled_back_savepoint_leaves_the_rest_published_on_commit(
+    settings: Any, test_queue: str
+) -> None:
+    settings.CELERY_OUTBOX_PUBLISH_ON_COMMIT = True
+    drain_queue(test_queue)
+    with transaction.atomic():
+        with pytest.raises(RuntimeError), transaction.atomic():
+            record.delay("rolled-back")
+            raise RuntimeError("savepoint")
+        kept = record.delay("kept").id
+    assert OutboxMessage.objects.count() == 0
+    assert drain_queue(test_queue) == [kept]
+
+
+def test_a_rolled_back_call_of_a_decorated_view_does_not_stop_later_ones(
+    settings: Any, test_queue: str
+) -> None:
+    # @transaction.atomic keeps one Atomic object for every call of the function.
+    settings.CELERY_OUTBOX_PUBLISH_ON_COMMIT = True
+    drain_queue(test_queue)
+
+    @transaction.atomic
+    def view(fail: bool) -> str:
+        task_id = str(record.delay("view").id)
+        if fail:
+            raise RuntimeError("rollback")
+        return task_id
+
+    with pytest.raises(RuntimeError):
+        view(True)
+    sent = [view(False), view(False)]
+    assert OutboxMessage.objects.count() == 0
+    assert sorted(drain_queue(test_queue)) == sorted(sent)
