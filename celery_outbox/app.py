@@ -98,10 +98,13 @@ class OutboxCelery(Celery):
             process = current_process()
             producer.last = None
             result = super().send_task(name, *call_args, **options)
-            if producer.last is not None:
+            last = producer.last
+            # Only this call's own message: a receiver of message_created may have
+            # sent another task (through Celery, too) since.
+            if last is not None and last.task_id == task_id and last.task_name == name:
                 self._outbox_shapes.learn(
                     key,
-                    producer.last,
+                    last,
                     version=version,
                     process=process,
                     args=parts[0],

@@ -333,7 +333,12 @@ def preview(headers: Mapping[str, Any]) -> str:
     kwargs = headers.get("kwargsrepr")
     if args is None and kwargs is None:
         return ""
-    return f"args={args} kwargs={kwargs}"
+    text = f"args={args} kwargs={kwargs}"
+    if not text.isascii():
+        # Celery's repr keeps a lone surrogate (a file name that is not UTF-8, say);
+        # the message escapes it in JSON, the preview column needs it escaped too.
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 #: A process sends at most one wake-up hint per this many seconds; rows committed in

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from django.db import DatabaseError
 from django.db.backends.postgresql.psycopg_any import is_psycopg3
 from django.db.backends.utils import debug_transaction
 
@@ -51,11 +52,29 @@ class WriteOnCommitMixin(_Wrapper):
         """Send the held rows now, in a statement of their own."""
         envelopes, notify = self.outbox_held_rows.take()
         if envelopes:
-            sql, params = OutboxStore(self.alias).insert_statement(
-                envelopes, notify=notify
-            )
+            store = OutboxStore(self.alias)
+            # Inline values where the session allows them, as at commit: thousands of
+            # held rows would otherwise pass PostgreSQL's 65,535 bound parameters
+            # under server-side binding.
+            text = store.insert_text(envelopes, notify=notify)
             with self.cursor() as cursor:
-                cursor.execute(sql, params)
+                if text is None:
+                    cursor.execute(*store.insert_statement(envelopes, notify=notify))
+                else:
+                    cursor.execute(text)
+
+    def connect(self) -> None:
+        # A new session continues no transaction: nothing held may travel into it.
+        self.outbox_held_rows.clear()
+        super().connect()
+
+    def _set_autocommit(self, autocommit: bool) -> None:
+        if autocommit and self.outbox_held_rows:
+            # Left over from a block that never committed (manual transactions): they
+            # go into its transaction, which the driver then refuses to leave open,
+            # as it would with the stock engine. Never into autocommit.
+            self.write_held_rows()
+        super()._set_autocommit(autocommit)  # type: ignore[misc]  # not in django-stubs
 
     def _write_held_rows_first(
         self,
@@ -82,15 +101,28 @@ class WriteOnCommitMixin(_Wrapper):
 
         envelopes, notify = self.outbox_held_rows.take()
         store = OutboxStore(self.alias)
-        text = store.insert_text(envelopes, notify=notify)
-        with self.wrap_database_errors, ClientCursor(self.connection) as cursor:
-            if text is None:
-                text = cursor.mogrify(*store.insert_statement(envelopes, notify=notify))
-            # No parameters left: psycopg sends the text with the simple query
-            # protocol, which runs both statements.
-            statement = text + "; COMMIT"
-            with debug_transaction(self, statement):
-                cursor.execute(statement)
+        try:
+            text = store.insert_text(envelopes, notify=notify)
+            with self.wrap_database_errors, ClientCursor(self.connection) as cursor:
+                if text is None:
+                    text = cursor.mogrify(
+                        *store.insert_statement(envelopes, notify=notify)
+                    )
+                # No parameters left: psycopg sends the text with the simple query
+                # protocol, which runs both statements.
+                statement = text + "; COMMIT"
+                with debug_transaction(self, statement):
+                    cursor.execute(statement)
+        except DatabaseError:
+            raise
+        except Exception as exc:
+            # Nothing reached the server (the text could not even be built or
+            # encoded). Django rolls back only after a DatabaseError: without one the
+            # connection would stay inside this transaction.
+            raise DatabaseError(
+                f"The outbox rows could not be sent with the COMMIT: {exc!r}. "
+                f"The transaction was rolled back."
+            ) from exc
         # psycopg reads the transaction state from the server's reply: its commit()
         # is now a no-op, so Django's bookkeeping after _commit() stays as it is.
 

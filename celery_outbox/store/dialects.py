@@ -167,7 +167,8 @@ class PostgresDialect(Dialect):
                 pgconn.parameter_status(b"standard_conforming_strings") == b"on"  # type: ignore[union-attr]
                 and pgconn.parameter_status(b"client_encoding") == b"UTF8"  # type: ignore[union-attr]
             )
-        except AttributeError:  # no open connection, or psycopg 2
+        except Exception:  # psycopg 2, no connection, or a closed one
+            # Not inline: the driver's own path runs, and says what is wrong.
             return False
 
     def after_expr(self, delay_sql: str) -> str:

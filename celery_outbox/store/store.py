@@ -71,7 +71,11 @@ class OutboxStore(OperatorQueries):
             _check_fits(envelope)
         connection = self.connection
         held: HeldRows | None = getattr(connection, HELD_ROWS, None)
-        if held is not None and connection.in_atomic_block:
+        if (
+            held is not None
+            and connection.in_atomic_block
+            and not connection.closed_in_transaction  # the cursor below says why
+        ):
             held.add(envelopes, notify)
             return
         text = self.insert_text(envelopes, notify=notify)
@@ -345,6 +349,16 @@ def _check_fits(envelope: Envelope) -> None:
                 f"a NUL (0x00) character, which PostgreSQL cannot store. Remove it. "
                 f"Nothing was written."
             )
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise OutboxValueError(
+                    f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} "
+                    f"contains a lone surrogate ({value[exc.start]!r}), which cannot "
+                    f"be stored as UTF-8 text. Decode the value properly first. "
+                    f"Nothing was written."
+                ) from None
 
 
 def _message_values(envelope: Envelope) -> list[Any]:

@@ -9,6 +9,7 @@ that the inline INSERT keeps every value exactly.
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from celery_outbox import app as outbox_app_module
 from celery_outbox.celeryconf import MemoizedSettings
 from celery_outbox.exceptions import OutboxSerializationError, OutboxValueError
 from celery_outbox.models import OutboxMessage
+from celery_outbox.signals import message_created
 from celery_outbox.store import OutboxStore
 from tests.project.shop.models import Order
 
@@ -139,6 +141,60 @@ def test_a_publish_signal_receiver_sees_every_call_from_when_it_connects(
         signals.before_task_publish.disconnect(stamp)
     assert all('"x-stamped": "yes"' in row(t).headers for t in stamped)
     assert '"x-stamped"' not in row(send(app, 5)).headers
+
+
+def test_a_task_sent_from_a_message_created_receiver_teaches_nothing(
+    app: OutboxCelery,
+) -> None:
+    # The receiver's call also goes through Celery while the first call of the outer
+    # shape is being learned: only the outer call's own message may become its
+    # template, or every later call would carry the other task's name.
+    @app.task(name="fast.audit", shared=False)
+    def audit(*args: Any) -> None:
+        return None
+
+    def also_audit(task_name: str, **_: Any) -> None:
+        if task_name == "fast.work":
+            audit.delay(7)
+
+    message_created.connect(also_audit)
+    try:
+        ids = [send(app, 7) for _ in range(3)]
+    finally:
+        message_created.disconnect(also_audit)
+    for task_id in ids:
+        stored = row(task_id)
+        assert stored.task_name == "fast.work"
+        assert json.loads(stored.headers)["task"] == "fast.work"
+    assert OutboxMessage.objects.filter(task_name="fast.audit").count() == 3
+
+
+def test_an_argument_with_a_lone_surrogate_is_stored_with_the_preview_escaped(
+    app: OutboxCelery, alias: str, settings: Any
+) -> None:
+    # Celery's argsrepr keeps a lone surrogate (a file name that is not UTF-8, say):
+    # the JSON of the message escapes it, and so must the preview column.
+    settings.CELERY_OUTBOX_DATABASE = alias
+    name = "report-\udc80.csv"
+    for _ in range(2):  # through Celery, then from the template
+        with transaction.atomic(using=alias):
+            task_id = str(app.tasks["fast.work"].delay(name).id)
+        stored = OutboxMessage.objects.using(alias).get(task_id=task_id)
+        assert stored.arguments_preview == "args=('report-\\udc80.csv',) kwargs={}"
+        assert json.loads(bytes(stored.body))[0] == [name]
+        assert json.loads(stored.headers)["argsrepr"] == f"('{name}',)"  # saferepr's
+
+
+def test_a_lone_surrogate_in_a_stored_name_is_refused_at_the_call(alias: str) -> None:
+    store = OutboxStore(alias)
+    with (
+        transaction.atomic(using=alias),
+        pytest.raises(
+            OutboxValueError, match="its routing_key contains a lone surrogate"
+        ),
+    ):
+        store.insert([envelope("surrogate", routing_key="a\udc80b")])
+    assert store.stats().pending == 0
 
 
 def test_each_thread_gets_its_own_reply_to(app: OutboxCelery) -> None:

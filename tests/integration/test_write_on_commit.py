@@ -6,6 +6,7 @@ statements the connection sent are read from Django's own query log.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +16,11 @@ from django.test.utils import CaptureQueriesContext
 
 from celery_outbox.backends import WriteOnCommitMixin
 from celery_outbox.models import OutboxMessage
+from celery_outbox.store import OutboxStore
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import add, record
+
+from .builders import envelope
 
 ALIAS = "postgresql_commit"
 INSERT = "INSERT INTO celery_outbox_message"
@@ -169,3 +173,97 @@ def test_an_insert_failing_at_commit_rolls_the_whole_transaction_back() -> None:
         result = record.delay("next")
     assert task_ids() == [result.id]
     assert Order.objects.using(ALIAS).count() == 1
+
+
+def test_a_task_sent_after_the_connection_closed_in_the_transaction_is_refused() -> (
+    None
+):
+    # Django reconnects for the next statement after such a block, in autocommit: a
+    # row held from inside it would be committed though its transaction never was.
+    connection = connections[ALIAS]
+    with pytest.raises(Rollback), transaction.atomic(using=ALIAS):
+        Order.objects.using(ALIAS).create(number="closed under it")
+        connection.close()
+        with pytest.raises(DatabaseError):
+            record.delay("after close")
+        raise Rollback
+    assert task_ids() == []
+    assert Order.objects.using(ALIAS).count() == 0
+
+
+def test_rows_held_when_autocommit_comes_back_unfinished_are_not_committed() -> None:
+    # Manual transaction management: the block never commits. The stock engine
+    # refuses to switch autocommit on over the open transaction; so must this one.
+    connection = connections[ALIAS]
+    connection.set_autocommit(False)
+    try:
+        with transaction.atomic(using=ALIAS, savepoint=False):
+            record.delay("never committed")
+        with pytest.raises(DatabaseError):
+            connection.set_autocommit(True)
+    finally:
+        connection.rollback()
+        connection.set_autocommit(True)
+    assert task_ids() == []
+
+
+def test_a_new_connection_starts_with_nothing_held() -> None:
+    connection = connections[ALIAS]
+    with pytest.raises(Rollback), transaction.atomic(using=ALIAS):
+        record.delay("held")
+        connection.outbox_held_rows.add([], False)  # still holding the one above
+        assert connection.outbox_held_rows
+        connection.connection.close()  # the server side goes away under Django
+        connection.connect()
+        assert not connection.outbox_held_rows
+        raise Rollback
+    assert task_ids() == []
+
+
+def test_an_argument_with_a_lone_surrogate_is_written(settings: Any) -> None:
+    # Celery's argsrepr keeps a lone surrogate (a file name that is not UTF-8, say);
+    # the stored preview escapes it, and the message keeps it, as Celery sends it.
+    name = "report-\udc80.csv"
+    with transaction.atomic(using=ALIAS):
+        Order.objects.using(ALIAS).create(number="with its task")
+        result = record.delay(name)
+    row = OutboxMessage.objects.using(ALIAS).get()
+    assert row.task_id == result.id
+    assert "\\udc80" in row.arguments_preview
+    assert json.loads(row.body.tobytes() if hasattr(row.body, "tobytes") else row.body)[
+        0
+    ] == [name]
+    assert connections[ALIAS].get_autocommit()
+
+
+def test_rows_that_cannot_be_sent_at_commit_roll_the_transaction_back() -> None:
+    # The checks at the call stop such a row; should one get past them, the commit
+    # fails as a DatabaseError, so Django rolls back and the connection is clean.
+    connection = connections[ALIAS]
+    bad = envelope("bad", arguments_preview="args=('\udc80',)")
+    with (
+        pytest.raises(DatabaseError, match="could not be sent with the COMMIT"),
+        transaction.atomic(using=ALIAS),
+    ):
+        Order.objects.using(ALIAS).create(number="lost with its task")
+        connection.outbox_held_rows.add([bad], False)
+    assert connection.get_autocommit()
+    assert Order.objects.using(ALIAS).count() == 0
+    with transaction.atomic(using=ALIAS):
+        result = record.delay("next")
+    assert task_ids() == [result.id]
+
+
+def test_thousands_of_held_rows_fit_under_server_side_binding() -> None:
+    # 15 bound parameters a row would pass PostgreSQL's 65,535 after 4,369 rows.
+    connection = connections[ALIAS]
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    connection.close()
+    options["server_side_binding"] = True
+    try:
+        with transaction.atomic(using=ALIAS):
+            OutboxStore(ALIAS).insert([envelope(f"t{i}") for i in range(4_400)])
+            assert OutboxMessage.objects.using(ALIAS).count() == 4_400
+    finally:
+        connection.close()
+        del options["server_side_binding"]
