@@ -16,6 +16,7 @@ transport configured with another body encoding) are published through kombu's
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 from ..envelope import JsonObject, StoredMessage, json_text
 from ..relay.core import Outcome, PublishResult
-from .base import Budget, envelope_properties
+from .base import Budget, describe, envelope_properties
 from .kombu import KombuPublisher
 
 #: What the direct path asks of kombu's Redis channel; a kombu without one of them
@@ -64,7 +65,7 @@ class RedisPublisher(KombuPublisher):
         routes: dict[tuple[str, str], list[str] | None] = {}
         infos: dict[tuple[str, str], str] = {}
         tags = _delivery_tags(len(messages))
-        sent: list[StoredMessage] = []
+        sent: list[tuple[StoredMessage, int]] = []  # with its number of pushes
         by_kombu: list[StoredMessage] = []
         with channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
@@ -85,10 +86,24 @@ class RedisPublisher(KombuPublisher):
                 payload, priority = _payload(message, next(tags), infos[key])
                 for queue in queues:
                     pipe.lpush(channel._q_for_pri(queue, priority), payload)
-                sent.append(message)
-            if sent:
-                pipe.execute()
-        done = {m.id: PublishResult(m.id, Outcome.PUBLISHED) for m in sent}
+                sent.append((message, len(queues)))
+            # Every push runs even when one is refused (a key of another type): the
+            # refusals come back as values, so only their messages fail, and the
+            # rest, already in their lists, are not sent again. Lost connections
+            # still raise.
+            replies = iter(pipe.execute(raise_on_error=False) if sent else ())
+        done: dict[int, PublishResult] = {}
+        for message, pushes in sent:
+            errors = [
+                reply
+                for reply in itertools.islice(replies, pushes)
+                if isinstance(reply, Exception)
+            ]
+            done[message.id] = (
+                PublishResult(message.id, Outcome.FAILED, describe(errors[0]))
+                if errors
+                else PublishResult(message.id, Outcome.PUBLISHED)
+            )
         for message in by_kombu:
             done[message.id] = self._one_by_one([message], budget)[0]
         return [

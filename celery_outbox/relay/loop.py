@@ -144,6 +144,10 @@ class Relay:
             seconds = self._pause_seconds(cycle)
             emit(self.listeners, Idle(seconds))
             self._pause(seconds, woken_by_rows=cycle is not Cycle.PAUSED)
+        if self._unsettled is not None:
+            # One last try: the batch was published, and rows left leased would go
+            # out again once their lease ran out.
+            self._retry_settlement()
         return StopReason.SIGNAL
 
     def run_once(self) -> Cycle:

@@ -255,3 +255,38 @@ def test_redis_unreachable_is_an_outage(kind: type[KombuPublisher]) -> None:
     )
     results = publisher.publish(stored("nowhere", 2), FixedBudget(time.monotonic() + 5))
     assert {r.outcome for r in results} == {Outcome.OUTAGE}
+
+
+def test_redis_a_list_that_refuses_a_push_fails_only_its_message(
+    redis_queue: str,
+) -> None:
+    # The pipeline runs every push even when one fails: the others are in their
+    # list once, and must not be sent again.
+    blocked = f"{redis_queue}-blocked"
+    client = redis.Redis.from_url(BROKER_REDIS)
+    publisher = RedisPublisher(
+        lambda: Connection(BROKER_REDIS), lambda name: Queue(name, routing_key=name)
+    )
+    try:
+        publisher.publish(
+            stored(blocked, 1), FixedBudget(time.monotonic() + 10)
+        )  # declares and binds the queue
+        client.delete(blocked)
+        client.set(blocked, "not a list")  # WRONGTYPE for an LPUSH
+        good = stored(redis_queue, 3)
+        bad = StoredMessage(
+            70,
+            0,
+            envelope("bad", routing_key=blocked, declare=(blocked,), queue=blocked),
+        )
+        results = publisher.publish(
+            [good[0], bad, good[1], good[2]], FixedBudget(time.monotonic() + 10)
+        )
+    finally:
+        publisher.close()
+        client.delete(blocked)
+    outcome = {r.message_id: r for r in results}
+    assert outcome[70].outcome is Outcome.FAILED
+    assert "WRONGTYPE" in outcome[70].error
+    assert [outcome[m.id].outcome for m in good] == [Outcome.PUBLISHED] * 3
+    assert client.llen(redis_queue) == 3

@@ -15,12 +15,14 @@ from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.broker.amqp import AmqpPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
+from celery_outbox.exceptions import OutboxDatabaseError
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.core import Outcome, PublishResult
+from celery_outbox.relay.core import Outcome, PublishResult, Settlement
 from celery_outbox.relay.events import Idle, RelayEvent, StopReason
 from celery_outbox.relay.loop import Cycle, Relay
 from celery_outbox.store import OutboxStore
+from celery_outbox.store.types import SettleReport
 
 from ..conftest import BROKER_AMQP
 from .builders import envelope, start_in_thread
@@ -165,6 +167,34 @@ def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
 
 
 @pytest.mark.parametrize("alias", ["default"])
+class SettleFailsOnceAndStops(OutboxStore):
+    """A store whose first settlement fails as the relay is asked to stop."""
+
+    relay: Relay | None = None
+    failed = False
+
+    def settle(self, token: str, settlement: Settlement) -> SettleReport:
+        if not self.failed:
+            self.failed = True
+            assert self.relay is not None
+            self.relay.stop()
+            raise OutboxDatabaseError("server closed the connection unexpectedly")
+        return super().settle(token, settlement)
+
+
+def test_a_settlement_left_by_a_database_error_is_retried_on_stop(alias: str) -> None:
+    # Otherwise the published rows come back after their lease and go out again.
+    enqueue(alias, "a", "b", "c")
+    publisher = InMemoryPublisher()
+    store = SettleFailsOnceAndStops(alias)
+    relay = Relay(store, publisher, RelayConfig.from_settings(FAST), listeners=())
+    store.relay = relay
+    assert relay.run() is StopReason.SIGNAL
+    assert store.failed
+    assert len(publisher.published) == 3
+    assert OutboxMessage.objects.using(alias).count() == 0
+
+
 def test_stop_ends_an_idle_wait_at_once(alias: str) -> None:
     relay = relay_for(alias, InMemoryPublisher(), poll_interval=30.0)
     result: list[StopReason] = []
