@@ -56,10 +56,10 @@ class _Confirms:
         self, exc: BaseException, exchange: str, routing_key: str, message: Any
     ) -> None:
         row = self._returned_row(exchange, routing_key, message)
-        if row is None:
-            logger.warning(
-                "The broker returned a message the relay did not send on this "
-                "channel (exchange=%r, routing_key=%r); ignored.",
+        if row is None:  # without confirms nothing waits: the batch already counted
+            logger.debug(
+                "returned message matches no unconfirmed one (exchange=%r, "
+                "routing_key=%r)",
                 exchange,
                 routing_key,
             )
