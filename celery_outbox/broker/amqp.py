@@ -431,11 +431,14 @@ class AmqpPublisher:
                 routing_key=envelope.routing_key,
                 mandatory=self._mandatory,
             )
-        except (OSError, amqp_errors.RecoverableConnectionError):
-            raise  # the connection, not the message
         except Exception as exc:
-            if self._frames.reached != reached:
-                raise  # part of the publish went out: the batch's error
+            # py-amqp's own errors are about the channel or the connection, except
+            # the one its table encoder raises for a value of no AMQP type.
+            about_the_message = isinstance(
+                exc, amqp_errors.FrameSyntaxError
+            ) or not isinstance(exc, (OSError, amqp_errors.AMQPError))
+            if not about_the_message or self._frames.reached != reached:
+                raise  # the batch's error: the relay's usual paths handle it
             return PublishResult(
                 message.id,
                 Outcome.FAILED,
