@@ -52,16 +52,10 @@ class WriteOnCommitMixin(_Wrapper):
         """Send the held rows now, in a statement of their own."""
         envelopes, notify = self.outbox_held_rows.take()
         if envelopes:
-            store = OutboxStore(self.alias)
-            # Inline values where the session allows them, as at commit: thousands of
+            # Values inline where the session allows them, as at commit: thousands of
             # held rows would otherwise pass PostgreSQL's 65,535 bound parameters
             # under server-side binding.
-            text = store.insert_text(envelopes, notify=notify)
-            with self.cursor() as cursor:
-                if text is None:
-                    cursor.execute(*store.insert_statement(envelopes, notify=notify))
-                else:
-                    cursor.execute(text)
+            OutboxStore(self.alias).write(envelopes, notify=notify)
 
     def connect(self) -> None:
         # A new session continues no transaction: nothing held may travel into it.

@@ -78,8 +78,12 @@ class OutboxStore(OperatorQueries):
         ):
             held.add(envelopes, notify)
             return
+        self.write(envelopes, notify=notify)
+
+    def write(self, envelopes: Sequence[Envelope], *, notify: bool) -> None:
+        """Send the INSERT of checked messages now, values inline where they may be."""
         text = self.insert_text(envelopes, notify=notify)
-        with connection.cursor() as cursor:
+        with self.connection.cursor() as cursor:
             if text is None:
                 cursor.execute(*self.insert_statement(envelopes, notify=notify))
             else:
