@@ -13,6 +13,7 @@ from celery import Celery
 from django.db import connections
 from django.utils.module_loading import import_string
 
+from .broker.amqpcodec import shortstr_problem
 from .celeryconf import MemoizedSettings, memoize
 from .conf import OutboxSettings, get_settings
 from .enqueue import (
@@ -22,6 +23,7 @@ from .enqueue import (
     Route,
     choose_route,
     outbox_alias,
+    refuse_for_amqp,
 )
 from .exceptions import OutboxConfigurationError
 from .fastpath import Shapes, call_parts, current_process, task_id_of
@@ -114,6 +116,8 @@ class OutboxCelery(Celery):
                     settings=settings,
                 )
             return result
+        if producer.amqp:  # the id is also the correlation_id, a short string
+            refuse_for_amqp(name, shortstr_problem("task id", task_id))
         envelope = template.build(name, task_id, parts[0], parts[1], settings)
         ignore_result = options.get("ignore_result")
         if not ignore_result:
@@ -162,13 +166,15 @@ class OutboxCelery(Celery):
 
     def _capturing_producer(self, *, buffered: bool) -> CapturingProducer:
         conf = self.conf
+        connection = self.connection_for_write()
         return CapturingProducer(
-            connection=self.connection_for_write(),
+            connection=connection,
             default_serializer=conf.task_serializer,
             default_compression=conf.task_compression,
             sink=self._outbox_enqueuer.write,
             buffered=buffered,
             event_exchange=conf.event_exchange,
+            amqp=_publishes_with_amqp(connection),
         )
 
     def _route(
@@ -194,6 +200,14 @@ class OutboxCelery(Celery):
             ),
             settings,
         )
+
+
+def _publishes_with_amqp(connection: Any) -> bool:
+    """Whether the relay would publish over py-amqp (``amqp://``, ``pyamqp://``)."""
+    try:
+        return bool(connection.transport.driver_type == "amqp")
+    except Exception:  # an unknown transport: the relay says so at start-up
+        return False
 
 
 def _memoize_configuration(sender: Any = None, source: Any = None, **_: Any) -> None:

@@ -29,10 +29,15 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
 
+from .broker.amqpcodec import amqp_problem
 from .conf import OutboxSettings, OutsideTransaction, get_settings
 from .contrib.logcontext import capture_log_context
 from .envelope import Envelope
-from .exceptions import OutboxSerializationError, OutboxTransactionError
+from .exceptions import (
+    OutboxSerializationError,
+    OutboxTransactionError,
+    OutboxValueError,
+)
 from .signals import send_created
 from .store import OutboxStore
 
@@ -155,7 +160,9 @@ class CapturingProducer:
         sink: Callable[[Sequence[Envelope]], None],
         buffered: bool = False,
         event_exchange: str | None = None,
+        amqp: bool = False,
     ) -> None:
+        """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused."""
         #: Celery wraps the publish in ``connection._reraise_as_library_errors()``;
         #: the connection is never opened by the enqueue path.
         self.connection = connection
@@ -169,6 +176,7 @@ class CapturingProducer:
         #: Celery's monitoring events (task_send_sent_event) are not stored: a
         #: "task-sent" event at call time would announce a publish that has not happened.
         self._event_exchange = event_exchange
+        self.amqp = amqp
         #: The last message recorded (the short path learns its templates from it).
         self.last: Envelope | None = None
 
@@ -255,7 +263,23 @@ class CapturingProducer:
             ordering_key=None if ordering_key is None else str(ordering_key),
             log_context=capture_log_context(get_settings()),
         )
+        if self.amqp:
+            refuse_unencodable(envelope)
         self._emit(envelope)
+
+
+def refuse_unencodable(envelope: Envelope) -> None:
+    """Raise :class:`OutboxValueError` when py-amqp could never publish ``envelope``."""
+    refuse_for_amqp(envelope.task_name, amqp_problem(envelope))
+
+
+def refuse_for_amqp(task_name: str, problem: str | None) -> None:
+    """Raise :class:`OutboxValueError` for a ``problem`` found by :mod:`.broker.amqpcodec`."""
+    if problem is not None:
+        raise OutboxValueError(
+            f"Cannot enqueue task {task_name[:80]!r}: {problem}, so RabbitMQ could "
+            f"never receive it. Change that value. Nothing was written."
+        )
 
 
 #: Present in ``sys.modules`` once the application uses OpenTelemetry.

@@ -14,6 +14,7 @@ from django.db import transaction
 from django.test import override_settings
 from kombu import Connection
 
+from celery_outbox import app as outbox_app_module
 from celery_outbox.app import OutboxCelery, resolve_app
 from celery_outbox.conf import get_settings
 from celery_outbox.exceptions import (
@@ -227,7 +228,9 @@ def test_an_ordering_key_is_stored_beside_the_message_not_in_it() -> None:
     ("option", "column"),
     [
         ({"ordering_key": "k" * 256}, "ordering_key"),
-        ({"task_id": "t" * 300}, "task_id"),
+        # With an AMQP broker the id is refused as the message's correlation_id
+        # ("its task id is 300 bytes long ... at most 255") before the column says so.
+        ({"task_id": "t" * 300}, "task.id"),
     ],
 )
 def test_a_value_too_wide_for_its_column_fails_at_the_call(
@@ -241,6 +244,53 @@ def test_a_value_too_wide_for_its_column_fails_at_the_call(
         fine = record.delay("fine")
     assert [r.task_id for r in rows(alias)] == [fine.id]
     assert Order.objects.using(alias).count() == 1
+
+
+@pytest.mark.parametrize("alias", ["default", "postgresql_commit"])
+@pytest.mark.parametrize(
+    ("option", "refusal"),
+    [
+        ({"headers": {"n": 2**70}}, "its header 'n' holds a value AMQP cannot carry"),
+        ({"headers": {"k" * 300: 1}}, r"its header name 'k+'\.\.\. is 300 bytes long"),
+        ({"priority": 300}, "its priority property 300 is not a valid AMQP octet"),
+        # Celery routes by the queue: its name becomes the routing key.
+        ({"queue": "é" * 200}, "its routing key is 400 bytes long"),
+        ({"task_id": "é" * 200}, "its task id is 400 bytes long"),
+    ],
+    ids=["integer over 64 bits", "long header name", "priority", "routing key", "id"],
+)
+def test_a_message_rabbitmq_cannot_carry_fails_at_the_call(
+    settings: Any, alias: str, option: dict[str, Any], refusal: str
+) -> None:
+    # JSON and the table take these; an AMQP frame cannot. Without the check the
+    # row would fail at the relay on every attempt and end as a dead letter.
+    settings.CELERY_OUTBOX_DATABASE = alias
+    with transaction.atomic(using=alias):
+        Order.objects.using(alias).create(number="kept")
+        with pytest.raises(OutboxValueError, match=refusal):
+            record.apply_async(("x",), **option)
+        fine = record.delay("fine")
+    assert [r.task_id for r in rows(alias)] == [fine.id]
+    assert Order.objects.using(alias).count() == 1
+
+
+def test_values_only_amqp_refuses_are_written_for_a_redis_broker() -> None:
+    app = OutboxCelery("redis-broker", set_as_current=False)
+    app.conf.update(broker_url="redis://127.0.0.1:6379/0", result_backend=None)
+
+    @app.task(name="shop.redis_only", shared=False)
+    def redis_only() -> None:
+        return None
+
+    try:
+        with transaction.atomic():
+            result = redis_only.apply_async(headers={"n": 2**70}, priority=300)
+        [row] = rows()
+        assert row.task_id == result.id
+        assert str(2**70) in row.headers
+    finally:
+        app.close()
+        outbox_app_module._instances.discard(app)
 
 
 def test_an_app_dropped_but_not_yet_collected_does_not_make_the_choice_ambiguous() -> (

@@ -246,6 +246,24 @@ def test_a_repeated_call_keeps_the_task_id_it_was_given(app: OutboxCelery) -> No
     assert row(chosen).headers.count(chosen) == 2  # id and root_id
 
 
+def test_a_repeated_call_refuses_a_task_id_rabbitmq_cannot_carry(
+    app: OutboxCelery,
+) -> None:
+    # The id is also the message's correlation_id, an AMQP short string: 150
+    # characters fit the column, their 300 bytes do not fit the frame.
+    send(app, 1)
+    assert reusable(app) == 1
+    with transaction.atomic():
+        Order.objects.create(number="kept")
+        with pytest.raises(OutboxValueError, match="its task id is 300 bytes long"):
+            app.tasks["fast.work"].apply_async((2,), task_id="é" * 150)
+        fine = app.tasks["fast.work"].apply_async((3,), task_id="é" * 50)
+    assert reusable(app) == 1  # the refused call took the template's path
+    assert Order.objects.count() == 1
+    assert OutboxMessage.objects.filter(task_id=fine.id).count() == 1
+    assert OutboxMessage.objects.count() == 2
+
+
 # -- the inline INSERT (PostgreSQL) -----------------------------------------------
 
 TRICKY = "it's a \\ back\\slash, %s %(name)s $$ dollar $1, 'quoted'' ünïcødé ✓\nnew line\ttab"

@@ -13,6 +13,7 @@ from kombu import Connection, Exchange, Queue
 
 from celery_outbox.broker import FixedBudget
 from celery_outbox.broker.amqp import AmqpPublisher
+from celery_outbox.broker.amqpcodec import amqp_problem
 from celery_outbox.broker.kombu import KombuPublisher
 from celery_outbox.broker.redis import RedisPublisher
 from celery_outbox.envelope import StoredMessage
@@ -211,6 +212,9 @@ def test_amqp_message_that_cannot_be_encoded_fails_alone(
     outcome = {r.message_id: r for r in results}
     assert outcome[60].outcome is Outcome.FAILED, label
     assert "cannot be encoded" in outcome[60].error
+    # The enqueue path's check agrees with the relay's encoder, both ways.
+    assert amqp_problem(bad.envelope) is not None
+    assert [amqp_problem(m.envelope) for m in good] == [None] * 4
     assert [outcome[m.id].outcome for m in good[:3]] == [Outcome.PUBLISHED] * 3
     assert [r.outcome for r in later] == [Outcome.PUBLISHED]
     assert queued(queue_name) == 4
