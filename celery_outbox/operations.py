@@ -219,7 +219,7 @@ class ReplayRequest:
         """Check the command-line values; raises CommandError naming the bad one."""
         numbers: list[int] = []
         for text in ids:
-            if not text.isdigit() or int(text) <= 0:
+            if not (text.isascii() and text.isdigit()) or int(text) <= 0:
                 raise CommandError(
                     f"replay: dead-letter ids are positive integers, got {text!r}"
                 )
@@ -233,7 +233,7 @@ class ReplayRequest:
                 f"replay: --since ({start.isoformat()}) must be before --until "
                 f"({end.isoformat()})"
             )
-        selection = DeadLetterFilter(tuple(numbers), task, start, end)
+        selection = DeadLetterFilter(tuple(numbers) or None, task, start, end)
         if selection.is_empty and not everything:
             raise CommandError(
                 "replay: say which dead letters to replay: ids, --task GLOB, "

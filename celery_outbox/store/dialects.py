@@ -73,6 +73,10 @@ class Dialect:
         """An SQL expression for the database's current UTC time."""
         raise NotImplementedError
 
+    def exact(self, column: str) -> str:
+        """``column`` compared character for character (case and accents count)."""
+        return column
+
     def insert(self, insert_sql: str, notify: bool) -> str:
         """The enqueue INSERT, with a wake-up hint for the relay where the vendor has one."""
         return insert_sql
@@ -193,6 +197,10 @@ class MySQLDialect(Dialect):
     """MySQL 8 and MariaDB >= 10.6: no UPDATE ... RETURNING, so select then update."""
 
     vendor = "mysql"
+
+    def exact(self, column: str) -> str:
+        # The default collations ignore case (and, in MariaDB, trailing spaces).
+        return f"CAST({column} AS BINARY)"
 
     def now(self) -> str:
         return "UTC_TIMESTAMP(6)"

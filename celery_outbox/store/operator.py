@@ -10,8 +10,10 @@ import fnmatch
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
+from django.conf import settings
 from django.db import models, transaction
 
 from .base import StoreBase
@@ -210,6 +212,11 @@ class OperatorQueries(StoreBase):
         """
         matching = self._dead_letters(selection)
         with self._translated():
+            # Only what matches now: letters that die while the replay runs (the
+            # relay refusing the replayed rows again, say) are not chased.
+            top = matching.aggregate(top=models.Max("id"))["top"]
+            if top is not None:
+                matching = matching.filter(id__lte=top)
             counts = {
                 str(row["task_name"]): int(row["n"])
                 for row in matching.order_by()
@@ -292,7 +299,7 @@ class OperatorQueries(StoreBase):
             names = self._dead_task_names(task)
             if not names:
                 return PurgeReport(0, 0, dry_run)
-            where += f" AND task_name IN ({placeholders(names)})"
+            where += f" AND {dialect.exact('task_name')} IN ({placeholders(names)})"
             params.extend(names)
         with self._translated(), self.connection.cursor() as cursor:
             cursor.execute(f"SELECT COUNT(*) FROM {DEAD_TABLE} WHERE {where}", params)
@@ -384,8 +391,13 @@ class OperatorQueries(StoreBase):
     def _dead_task_names(self, pattern: str) -> list[str]:
         """Task names among the dead letters that match a glob."""
         with self._translated(), self.connection.cursor() as cursor:
-            cursor.execute(f"SELECT DISTINCT task_name FROM {DEAD_TABLE}", [])
-            names = [str(row[0]) for row in cursor.fetchall()]
+            # Every spelling as stored: MySQL's collation would fold "shop.Export"
+            # and "shop.export" into one, and the glob is case-sensitive.
+            cursor.execute(
+                f"SELECT DISTINCT {self.dialect.exact('task_name')} FROM {DEAD_TABLE}",
+                [],
+            )
+            names = [_text(row[0]) for row in cursor.fetchall()]
         return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
 
     def _dead_letters(self, selection: DeadLetterFilter) -> Any:
@@ -393,17 +405,45 @@ class OperatorQueries(StoreBase):
         from ..models import DeadLetter
 
         matching = DeadLetter.objects.using(self.alias).all()
-        if selection.ids:
+        if selection.ids is not None:  # () matches nothing, never everything
             matching = matching.filter(id__in=list(selection.ids))
         if selection.task is not None:
-            matching = matching.filter(
-                task_name__in=self._dead_task_names(selection.task)
-            )
+            names = self._dead_task_names(selection.task)
+            exact = self.dialect.exact("task_name")
+            if not names:
+                matching = matching.none()
+            elif exact == "task_name":
+                matching = matching.filter(task_name__in=names)
+            else:
+                matching = matching.extra(
+                    where=[f"{exact} IN ({placeholders(names)})"], params=names
+                )
         if selection.since is not None:
-            matching = matching.filter(dead_at__gte=selection.since)
+            matching = matching.filter(dead_at__gte=self._as_stored(selection.since))
         if selection.until is not None:
-            matching = matching.filter(dead_at__lt=selection.until)
+            matching = matching.filter(dead_at__lt=self._as_stored(selection.until))
         return matching
+
+    def _as_stored(self, moment: datetime) -> datetime:
+        """``moment`` as the ORM compares it with ``dead_at`` on this connection.
+
+        Without ``USE_TZ`` MySQL and SQLite take naive datetimes only; the outbox
+        writes ``dead_at`` in UTC there, so a moment becomes naive UTC.
+        """
+        if (
+            settings.USE_TZ
+            or self.connection.features.supports_timezones
+            or moment.tzinfo is None
+        ):
+            return moment
+        return moment.astimezone(timezone.utc).replace(tzinfo=None)
+
+
+def _text(value: Any) -> str:
+    """A text column's value; a binary comparison hands it back as bytes."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8")
+    return str(value)
 
 
 def _chunks(ids: Sequence[int], size: int = OPERATOR_CHUNK) -> Iterator[list[int]]:

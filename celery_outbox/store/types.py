@@ -108,11 +108,12 @@ class TopFailures:
 class DeadLetterFilter:
     """Which dead letters to replay: every given condition must hold.
 
-    ``ids`` are dead-letter ids, ``task`` a task name or glob (``shop.*``), and
-    ``since``/``until`` bound ``dead_at`` (``since <= dead_at < until``).
+    ``ids`` are dead-letter ids (None: any id; an empty tuple matches nothing),
+    ``task`` a task name or glob (``shop.*``), and ``since``/``until`` bound
+    ``dead_at`` (``since <= dead_at < until``).
     """
 
-    ids: tuple[int, ...] = ()
+    ids: tuple[int, ...] | None = None
     task: str | None = None
     since: datetime | None = None
     until: datetime | None = None
@@ -121,7 +122,7 @@ class DeadLetterFilter:
     def is_empty(self) -> bool:
         """Whether no condition was given (the filter matches every dead letter)."""
         return (
-            not self.ids
+            self.ids is None
             and self.task is None
             and self.since is None
             and self.until is None

@@ -179,6 +179,20 @@ def test_action_move_to_dead_letters(admin_client: Client, store: OutboxStore) -
     assert entry.object_id == str(free)
 
 
+def test_replaying_a_selection_someone_already_replayed_replays_nothing(
+    admin_client: Client, store: OutboxStore
+) -> None:
+    # "Go" pressed twice, or a colleague was quicker: the selected row is gone.
+    add(store, "picked", "other-1", "other-2")
+    first = min(kill_all(store))
+    for _ in range(2):
+        page = admin_client.post(
+            DEAD, {"action": "replay", "_selected_action": [first]}, follow=True
+        )
+    assert "0 dead letter(s) replayed into the outbox." in page.content.decode()
+    assert store.stats().dead == 2
+
+
 def test_dead_letter_actions_replay_and_delete(
     admin_client: Client, store: OutboxStore
 ) -> None:

@@ -241,6 +241,58 @@ def test_replay_in_chunks_reports_progress(alias: str) -> None:
     assert store.stats().dead == 0
 
 
+def test_replay_takes_only_what_matched_when_it_started(alias: str) -> None:
+    # The relay may refuse the replayed rows again while the replay runs (the queue
+    # is still missing, say): their new dead letters must not be replayed too, or
+    # the two chase each other for ever.
+    store = OutboxStore(alias)
+    kill(store, "a", "b", "c", "d")
+    seen: list[tuple[int, int]] = []
+
+    def relay_refuses_meanwhile(done: int, total: int) -> None:
+        seen.append((done, total))
+        dead_letter_due(store, 10)
+        assert len(seen) <= 2, f"replay still running: {seen}"
+
+    report = store.replay_dead_letters(
+        DeadLetterFilter(), chunk_size=2, progress=relay_refuses_meanwhile
+    )
+
+    assert (report.matched, report.replayed) == (4, 4)
+    assert seen == [(2, 4), (4, 4)]
+    assert store.stats().dead == 4  # all refused again, none replayed twice
+
+
+def test_an_empty_id_list_matches_no_dead_letter(alias: str) -> None:
+    # The admin passes the ids it found; a selection already replayed or deleted
+    # by someone else leaves none, which must not mean "every dead letter".
+    store = OutboxStore(alias)
+    kill(store, "a", "b")
+    report = store.replay_dead_letters(DeadLetterFilter(ids=()))
+    assert (report.matched, report.replayed) == (0, 0)
+    assert store.stats().dead == 2
+
+
+def test_task_globs_tell_capitals_apart(alias: str) -> None:
+    # MySQL's default collation folds case: "shop.Export" must still not select
+    # "shop.export", in a replay or in a purge.
+    store = OutboxStore(alias)
+    kill(store, "upper", task_name="shop.Export")
+    kill(store, "lower", task_name="shop.export")
+    report = store.replay_dead_letters(DeadLetterFilter(task="shop.export"))
+    assert (report.replayed, report.by_task) == (1, {"shop.export": 1})
+    left = DeadLetter.objects.using(alias).values_list("task_name", flat=True)
+    assert list(left) == ["shop.Export"]
+
+    kill(store, "lower-again", task_name="shop.export")
+    DeadLetter.objects.using(alias).update(
+        dead_at=datetime.now(timezone.utc) - timedelta(days=2)
+    )
+    purged = store.purge_dead_letters(86400, task="shop.Export")
+    left = DeadLetter.objects.using(alias).values_list("task_name", flat=True)
+    assert (purged.deleted, list(left)) == (1, ["shop.export"])
+
+
 def test_purge_deletes_old_dead_letters_in_chunks(alias: str) -> None:
     store = OutboxStore(alias)
     old = kill(store, "a", "b", "c", task_name="billing.charge")
@@ -370,6 +422,25 @@ def test_stats_text_and_prometheus(on_alias: str) -> None:
 def test_stats_watch_refreshes(on_alias: str) -> None:
     out = outbox("stats", "--format", "json", "--watch", "0.01", "--iterations", "3")[0]
     assert [json.loads(line)["pending"] for line in out.splitlines()] == [0, 0, 0]
+
+
+def test_replay_command_window_without_use_tz(on_alias: str) -> None:
+    # MySQL and SQLite take only naive datetimes when USE_TZ is off.
+    kill(OutboxStore(on_alias), "a")
+    with override_settings(USE_TZ=False):
+        out = outbox("replay", "--since", "1h", "--until", "2999-01-01T00:00:00")[0]
+    assert "replayed 1" in out
+
+
+def test_command_values_that_only_look_like_numbers_are_refused(
+    on_alias: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(CommandError, match="positive integers, got '²'"):
+        outbox("replay", "²")
+    for value in ("nan", "inf"):
+        with pytest.raises(SystemExit):  # argparse's usage error, as for any bad value
+            outbox("stats", "--watch", value, "--iterations", "1")
+        assert "must be a positive, finite number" in capsys.readouterr().err
 
 
 def test_replay_command_dry_run_then_real(on_alias: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 from typing import Any
 
@@ -254,8 +255,10 @@ def _positive(kind: type) -> Any:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a {kind.__name__}"
             ) from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not value > 0 or not math.isfinite(value):  # nan compares false
+            raise argparse.ArgumentTypeError(
+                f"must be a positive, finite number, got {text}"
+            )
         return value
 
     return parse
