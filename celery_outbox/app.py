@@ -174,7 +174,11 @@ class OutboxCelery(Celery):
             sink=self._outbox_enqueuer.write,
             buffered=buffered,
             event_exchange=conf.event_exchange,
-            amqp=_publishes_with_amqp(connection),
+            # A group's producer asks the thread's: a kombu transport per group is
+            # not free.
+            amqp=self._thread_producer().amqp
+            if buffered
+            else _publishes_with_amqp(connection),
         )
 
     def _route(

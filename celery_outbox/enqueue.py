@@ -264,13 +264,8 @@ class CapturingProducer:
             log_context=capture_log_context(get_settings()),
         )
         if self.amqp:
-            refuse_unencodable(envelope)
+            refuse_for_amqp(task_name, amqp_problem(envelope))
         self._emit(envelope)
-
-
-def refuse_unencodable(envelope: Envelope) -> None:
-    """Raise :class:`OutboxValueError` when py-amqp could never publish ``envelope``."""
-    refuse_for_amqp(envelope.task_name, amqp_problem(envelope))
 
 
 def refuse_for_amqp(task_name: str, problem: str | None) -> None:

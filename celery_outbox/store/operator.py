@@ -409,14 +409,14 @@ class OperatorQueries(StoreBase):
             matching = matching.filter(id__in=list(selection.ids))
         if selection.task is not None:
             names = self._dead_task_names(selection.task)
-            exact = self.dialect.exact("task_name")
             if not names:
                 matching = matching.none()
-            elif exact == "task_name":
-                matching = matching.filter(task_name__in=names)
-            else:
+            else:  # compared as purge does: exactly, whatever the collation
                 matching = matching.extra(
-                    where=[f"{exact} IN ({placeholders(names)})"], params=names
+                    where=[
+                        f"{self.dialect.exact('task_name')} IN ({placeholders(names)})"
+                    ],
+                    params=names,
                 )
         if selection.since is not None:
             matching = matching.filter(dead_at__gte=self._as_stored(selection.since))

@@ -225,31 +225,15 @@ def test_an_ordering_key_is_stored_beside_the_message_not_in_it() -> None:
 
 @pytest.mark.parametrize("alias", ["default", "postgresql_commit"])
 @pytest.mark.parametrize(
-    ("option", "column"),
-    [
-        ({"ordering_key": "k" * 256}, "ordering_key"),
-        # With an AMQP broker the id is refused as the message's correlation_id
-        # ("its task id is 300 bytes long ... at most 255") before the column says so.
-        ({"task_id": "t" * 300}, "task.id"),
-    ],
-)
-def test_a_value_too_wide_for_its_column_fails_at_the_call(
-    settings: Any, alias: str, option: dict[str, str], column: str
-) -> None:
-    settings.CELERY_OUTBOX_DATABASE = alias
-    with transaction.atomic(using=alias):
-        Order.objects.using(alias).create(number="kept")
-        with pytest.raises(OutboxValueError, match=f"its {column} is .* at most 255"):
-            record.apply_async(("x",), **option)
-        fine = record.delay("fine")
-    assert [r.task_id for r in rows(alias)] == [fine.id]
-    assert Order.objects.using(alias).count() == 1
-
-
-@pytest.mark.parametrize("alias", ["default", "postgresql_commit"])
-@pytest.mark.parametrize(
     ("option", "refusal"),
     [
+        # Too wide for its column.
+        ({"ordering_key": "k" * 256}, "its ordering_key is .* at most 255"),
+        # With an AMQP broker the id is refused as the message's correlation_id
+        # ("its task id is 300 bytes long ... at most 255") before the column says so.
+        ({"task_id": "t" * 300}, "its task.id is .* at most 255"),
+        # JSON and the table take these; an AMQP frame cannot. Without the check the
+        # row would fail at the relay on every attempt and end as a dead letter.
         ({"headers": {"n": 2**70}}, "its header 'n' holds a value AMQP cannot carry"),
         ({"headers": {"k" * 300: 1}}, r"its header name 'k+'\.\.\. is 300 bytes long"),
         ({"priority": 300}, "its priority property 300 is not a valid AMQP octet"),
@@ -257,13 +241,19 @@ def test_a_value_too_wide_for_its_column_fails_at_the_call(
         ({"queue": "é" * 200}, "its routing key is 400 bytes long"),
         ({"task_id": "é" * 200}, "its task id is 400 bytes long"),
     ],
-    ids=["integer over 64 bits", "long header name", "priority", "routing key", "id"],
+    ids=[
+        "ordering key column",
+        "task id column",
+        "integer over 64 bits",
+        "long header name",
+        "priority",
+        "routing key",
+        "id",
+    ],
 )
-def test_a_message_rabbitmq_cannot_carry_fails_at_the_call(
+def test_a_value_that_cannot_be_stored_or_sent_fails_at_the_call(
     settings: Any, alias: str, option: dict[str, Any], refusal: str
 ) -> None:
-    # JSON and the table take these; an AMQP frame cannot. Without the check the
-    # row would fail at the relay on every attempt and end as a dead letter.
     settings.CELERY_OUTBOX_DATABASE = alias
     with transaction.atomic(using=alias):
         Order.objects.using(alias).create(number="kept")
@@ -272,6 +262,18 @@ def test_a_message_rabbitmq_cannot_carry_fails_at_the_call(
         fine = record.delay("fine")
     assert [r.task_id for r in rows(alias)] == [fine.id]
     assert Order.objects.using(alias).count() == 1
+
+
+def test_a_group_with_a_message_rabbitmq_cannot_carry_writes_nothing() -> None:
+    # A group's members are collected by a producer of their own, then written in
+    # one INSERT: one refused member refuses the group.
+    with transaction.atomic():
+        Order.objects.create(number="kept")
+        with pytest.raises(OutboxValueError, match="its header 'n' holds a value"):
+            group(record.s("a"), record.s("b").set(headers={"n": 2**70})).apply_async()
+        fine = record.delay("fine")
+    assert [r.task_id for r in rows()] == [fine.id]
+    assert Order.objects.count() == 1
 
 
 def test_values_only_amqp_refuses_are_written_for_a_redis_broker() -> None:
