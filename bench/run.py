@@ -334,8 +334,8 @@ def machine_info(brokers: Brokers) -> list[tuple[str, str]]:
 # -- 1. enqueue ----------------------------------------------------------------
 
 
-def outbox_row_text() -> str:
-    """The INSERT the write-on-commit engine sends for one ``noop.delay()``, as text.
+def prebuilt_envelope() -> Any:
+    """The message of one ``noop.delay()``, as the write-on-commit engine holds it.
 
     Made by a real call inside a block that then rolls back: nothing is written.
     """
@@ -343,15 +343,25 @@ def outbox_row_text() -> str:
     from django.test import override_settings
 
     from bench.celery import noop
+
+    with (
+        override_settings(CELERY_OUTBOX_DATABASE="commit"),
+        transaction.atomic(using="commit"),
+    ):
+        noop.delay(1)
+        envelopes, _ = connections["commit"].outbox_held_rows.take()
+        transaction.set_rollback(True, using="commit")
+    if len(envelopes) != 1:
+        raise BenchError("could not capture the engine's outbox row of one call")
+    return envelopes[0]
+
+
+def outbox_row_text(envelope: Any) -> str:
+    """The INSERT the write-on-commit engine sends for ``envelope``, as text."""
     from celery_outbox.store import OutboxStore
 
-    with override_settings(CELERY_OUTBOX_DATABASE="commit"):
-        with transaction.atomic(using="commit"):
-            noop.delay(1)
-            envelopes, _ = connections["commit"].outbox_held_rows.take()
-            transaction.set_rollback(True, using="commit")
-        text = OutboxStore("commit").insert_text(envelopes, notify=False)
-    if len(envelopes) != 1 or text is None:
+    text = OutboxStore("commit").insert_text([envelope], notify=False)
+    if text is None:
         raise BenchError("could not capture the engine's INSERT of one outbox row")
     return text
 
@@ -407,6 +417,7 @@ def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
 
     from bench.celery import noop, plain_app
     from bench.models import BenchOrder
+    from celery_outbox.store import OutboxStore
 
     direct = plain_app("amqp")
 
@@ -426,16 +437,26 @@ def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
             )
             noop.delay(order.id)
 
+    envelope = prebuilt_envelope()
+    store = OutboxStore("commit")
+
+    def outbox_prebuilt(number: int) -> None:
+        # What the engine's path costs without Celery: the message exists already.
+        with transaction.atomic(using="commit"):
+            BenchOrder.objects.using("commit").create(number=str(number), amount=number)
+            store.insert([envelope])
+
     def send(number: int) -> None:
         direct.send_task(env.TASK_NAME, args=(number,))
 
-    floor = Floor.open(outbox_row_text())
+    floor = Floor.open(outbox_row_text(envelope))
 
     # name: (one call, the settings it runs under)
     variants: dict[str, tuple[Callable[[int], None], dict[str, Any]]] = {
         "bare": (bare, {}),
         "outbox": (outbox, {}),
         "outbox_commit": (outbox_commit, {"CELERY_OUTBOX_DATABASE": "commit"}),
+        "outbox_prebuilt": (outbox_prebuilt, {}),
         "direct": (send, {}),
         "floor_bare": (floor.bare, {}),
         "floor_row": (floor.row, {}),
@@ -458,8 +479,8 @@ def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
                 elapsed = time.perf_counter() - started
             samples[name].append(elapsed / sizes.enqueue_n * 1e6)
     rows = outbox_count()
-    if rows != 3 * sizes.enqueue_n:  # outbox, outbox_commit and floor_row
-        raise BenchError(f"expected {3 * sizes.enqueue_n} outbox rows, found {rows}")
+    if rows != 4 * sizes.enqueue_n:  # outbox, outbox_commit, outbox_prebuilt, floor_row
+        raise BenchError(f"expected {4 * sizes.enqueue_n} outbox rows, found {rows}")
     truncate()
     brokers.amqp_purge()
     floor.close()
@@ -830,6 +851,13 @@ def render(report: Report, only: str | None) -> str:
             f"   {held:+.1f} % vs bare (target <= +{TARGET_OVERHEAD_PCT:.0f} %: "
             f"{verdict(held <= TARGET_OVERHEAD_PCT)})"
         )
+        if "outbox_prebuilt" in e:
+            prebuilt = e["outbox_prebuilt"]
+            add(
+                f"  {'  same, the message prebuilt (no delay())':<50} {prebuilt:>9.0f} µs"
+                f"   {(prebuilt / e['bare'] - 1) * 100:+.1f} % vs bare; delay() adds "
+                f"{e['outbox_commit'] - prebuilt:.0f} µs"
+            )
         add(
             f"  {'send_task() straight to RabbitMQ (plain Celery)':<50} {e['direct']:>9.0f} µs"
         )
