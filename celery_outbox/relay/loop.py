@@ -152,7 +152,7 @@ class Relay:
 
     def run_once(self) -> Cycle:
         """One turn: settle what is left over, then claim, publish and settle a batch."""
-        if self._unsettled is not None and not self._retry_settlement():
+        if not self.settle_leftover():
             return Cycle.PAUSED
         if self.breaker.is_open(self.clock()):
             self._hand_back_prefetched()
@@ -169,6 +169,14 @@ class Relay:
         if not self.process(claim, leased_at=leased_at):
             return Cycle.EMPTY
         return Cycle.FULL if full else Cycle.PARTIAL
+
+    def settle_leftover(self) -> bool:
+        """Retry the settlement a database error left behind; False if it failed again.
+
+        Call it before claiming: its rows were published and, left leased, would go
+        to the broker again once their lease ran out.
+        """
+        return self._unsettled is None or self._retry_settlement()
 
     def process(
         self,

@@ -8,8 +8,11 @@ the safety net: rows are already committed, so nothing can be lost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +54,11 @@ class CommitPublisher:
         """
         connection = connections[alias]
         if not connection.in_atomic_block:
-            self._flush(alias, list(task_ids))
+            # Autocommit: the rows are committed already. A transaction managed by hand
+            # (set_autocommit(False)) may still roll back, and on_commit() cannot
+            # follow it: its rows are left to the relay.
+            if connection.get_autocommit():
+                self._flush(alias, list(task_ids))
             return
         pending: _Pending | None = getattr(self._local, "pending", None)
         if (
@@ -75,6 +82,8 @@ class CommitPublisher:
             self._local.pending = None
         try:
             relay = self._relay(alias)
+            if not relay.settle_leftover():
+                return  # the database still fails: leave the rows to the relay
             if relay.breaker.is_open(relay.clock()):
                 return  # the broker was just down: leave the rows to the relay
             claim = relay.store.claim(
@@ -87,7 +96,12 @@ class CommitPublisher:
             )
 
     def _relay(self, alias: str) -> Relay:
-        relays: dict[str, Relay] = self._local.__dict__.setdefault("relays", {})
+        mine: _ThreadRelays | None = getattr(self._local, "relays", None)
+        if mine is None or mine.pid != os.getpid():
+            # A new thread, or a forked child: the broker connections of the parent
+            # are not the child's to use (nor to close).
+            mine = self._local.relays = _ThreadRelays()
+        relays = mine.by_alias
         relay = relays.get(alias)
         if relay is None:
             from ..signals import send_relay_signals
@@ -101,3 +115,25 @@ class CommitPublisher:
             )
             relays[alias] = relay
         return relay
+
+
+class _ThreadRelays:
+    """One thread's relays by alias; their broker connections close when the thread ends.
+
+    A server that runs each request on a new thread (or greenlet) would otherwise
+    leave one broker connection behind per request.
+    """
+
+    def __init__(self) -> None:
+        self.by_alias: dict[str, Relay] = {}
+        self.pid = os.getpid()
+        weakref.finalize(self, _close_relays, self.by_alias, self.pid)
+
+
+def _close_relays(relays: dict[str, Relay], pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child dropping its parent's relays: their sockets are shared
+    for relay in relays.values():
+        with contextlib.suppress(Exception):
+            relay.publisher.close()
+        relay.waiter.close()

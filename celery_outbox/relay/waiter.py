@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import weakref
 from collections.abc import Sequence
 
 
@@ -20,6 +21,9 @@ class Waiter:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
+        # A waiter dropped without close() (the relay of a finished thread that
+        # published on commit) must not keep its pipe open for the life of the process.
+        self._closer = weakref.finalize(self, _close_pipe, self._read, self._write)
 
     def wake(self) -> None:
         """End the current (or next) :meth:`wait` early."""
@@ -43,6 +47,10 @@ class Waiter:
 
     def close(self) -> None:
         """Release the pipe."""
-        for fd in (self._read, self._write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._closer()
+
+
+def _close_pipe(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
