@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,44 @@ def _positive(name: str, value: Any, kind: type) -> Any:
         raise OutboxConfigurationError(
             f"{PREFIX}{name} must be a positive {kind.__name__}, got {value!r}."
         )
+    if not math.isfinite(value):  # nan passes the test above: it compares false
+        raise OutboxConfigurationError(
+            f"{PREFIX}{name} must be a positive {kind.__name__}, got {value!r}: "
+            f"infinity and NaN are not numbers of seconds."
+        )
     return kind(value)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``("host", port)`` from ``"host:port"`` (``"[::1]:8125"`` for IPv6).
+
+    Raises :class:`ValueError` when the host is missing or the port is not 1-65535.
+    """
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isascii() or not port.isdigit():
+        raise ValueError(f"expected 'host:port', got {address!r}")
+    number = int(port)
+    if not 0 < number < 65536:
+        raise ValueError(f"the port must be 1-65535, got {address!r}")
+    return host, number
+
+
+def _address(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            split_address(value)
+        except ValueError:
+            pass
+        else:
+            return value
+    raise OutboxConfigurationError(
+        f"{PREFIX}{name} must be 'host:port' with a port from 1 to 65535 (e.g. "
+        f"'statsd.internal:8125', '[::1]:8125') or None, got {value!r}."
+    )
 
 
 def _str_tuple(
@@ -124,6 +162,11 @@ def _retention(name: str, value: Any) -> float | None:
         raise OutboxConfigurationError(
             f"{PREFIX}{name} must be None, a number of seconds or a duration such as "
             f"'30d', got {value!r}."
+        )
+    if value == math.inf:
+        raise OutboxConfigurationError(
+            f"{PREFIX}{name} must be a finite duration, got {value!r}; set it to None "
+            f"to keep dead letters forever."
         )
     try:
         return parse_duration(value)
@@ -158,7 +201,9 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
     values: dict[str, Any] = {}
     for field, value in raw.items():
         name = next(n for n, f in _FIELDS.items() if f == field)
-        if field in {"app", "database", "redactor", "statsd_address"}:
+        if field == "statsd_address":
+            values[field] = _address(name, value)
+        elif field in {"app", "database", "redactor"}:
             if value is not None and (not isinstance(value, str) or not value):
                 raise OutboxConfigurationError(
                     f"{PREFIX}{name} must be a non-empty string or None, got {value!r}."

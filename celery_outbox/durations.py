@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime, timedelta, timezone
 
@@ -12,7 +13,8 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 def parse_duration(value: str | float) -> float:
     """Seconds in ``value``: a positive number of seconds or ``<number><s|m|h|d|w>``.
 
-    Raises :class:`ValueError` with a message naming the accepted forms.
+    Raises :class:`ValueError` with a message naming the accepted forms. Infinity and
+    NaN are refused: no database can add them to a point in time.
     """
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
@@ -26,8 +28,8 @@ def parse_duration(value: str | float) -> float:
                 f"e.g. 90, 30m, 2h, 7d, 2w"
             )
         seconds = float(match.group(1)) * _UNITS[(match.group(2) or "s").lower()]
-    if seconds <= 0:
-        raise ValueError(f"a duration must be positive, got {value!r}")
+    if not seconds > 0 or not math.isfinite(seconds):  # nan compares false
+        raise ValueError(f"a duration must be positive and finite, got {value!r}")
     return seconds
 
 
@@ -38,9 +40,17 @@ def parse_moment(value: str, now: datetime | None = None) -> datetime:
     """
     now = now or datetime.now(timezone.utc)
     try:
-        return now - timedelta(seconds=parse_duration(value))
+        seconds: float | None = parse_duration(value)
     except ValueError:
-        pass
+        seconds = None
+    if seconds is not None:
+        try:
+            return now - timedelta(seconds=seconds)
+        except OverflowError:  # before year 1, or beyond timedelta itself
+            raise ValueError(
+                f"{value!r} ago is too far back for a date; give an ISO datetime "
+                f"(2024-05-01T12:00:00+00:00) or a shorter duration (30m, 2h, 7d)"
+            ) from None
     try:
         moment = datetime.fromisoformat(value.strip())
     except ValueError:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .conf import split_address
 from .relay.core import Outcome
 from .relay.events import BatchSettled, BreakerOpened, RelayEvent
 from .store import OutboxStore, Stats
@@ -56,14 +57,30 @@ class StatsdSink:
     """Fire-and-forget StatsD over UDP; a lost datagram never slows the relay."""
 
     def __init__(self, address: str) -> None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
+        try:
+            host, port = split_address(address)
+        except ValueError as exc:
             raise ValueError(
-                f"StatsD address must look like 'host:8125', got {address!r}"
-            )
-        self._target = (host, int(port))
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                f"StatsD address must look like 'host:8125': {exc}"
+            ) from None
+        self._target = (host, port)
+        self._socket = socket.socket(self._family(host, port), socket.SOCK_DGRAM)
         self._socket.setblocking(False)
+
+    @staticmethod
+    def _family(host: str, port: int) -> int:
+        """IPv4 whenever the host has an IPv4 address; IPv6 for a host with only IPv6.
+
+        A socket of the wrong family drops every datagram without a word.
+        """
+        try:
+            found = {info[0] for info in socket.getaddrinfo(host, port)}
+        except OSError as exc:  # not resolvable now: each send looks it up again
+            logger.warning("StatsD host %r not resolved at start: %s", host, exc)
+            return socket.AF_INET
+        if socket.AF_INET in found or socket.AF_INET6 not in found:
+            return socket.AF_INET
+        return socket.AF_INET6
 
     def close(self) -> None:
         """Release the socket."""
@@ -156,7 +173,8 @@ class RelayMetrics:
         self.sink.count("failed_total", len(event.settlement.retry))
         self.sink.count("dead_lettered_total", len(event.settlement.dead_letter))
         self.sink.count("outages_total", outcomes.count(Outcome.OUTAGE))
-        if published:
+        if published or outcomes.count(Outcome.FAILED):
+            # The broker answered (even with a refusal): the relay's breaker closed.
             self.sink.gauge("breaker_open", 0)
         self.sink.observe("batch_duration_seconds", event.seconds)
         self.sink.observe("publish_seconds", event.publish_seconds)

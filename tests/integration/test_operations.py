@@ -510,3 +510,9 @@ def test_purge_command(on_alias: str) -> None:
         )
         assert outbox("purge")[0].strip() == "deleted 1 dead letter(s) older than 1h"
     assert store.stats().dead == 0
+
+
+@pytest.mark.parametrize("when", ["99999999d", "20240501w", "1" + "0" * 20])
+def test_a_moment_too_far_back_is_refused_with_a_clear_error(when: str) -> None:
+    with pytest.raises(CommandError, match=r"--since: .* too far back"):
+        outbox("replay", "--since", when, "--dry-run")

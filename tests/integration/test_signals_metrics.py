@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -206,3 +207,51 @@ def test_an_idle_relay_keeps_the_backlog_gauges_fresh() -> None:
         OutboxStore("default").insert([envelope("w1"), envelope("w2")])
     metrics(Idle(1.0))
     assert registry.get_sample_value("celery_outbox_pending") == 2
+
+
+def test_the_breaker_gauge_falls_once_the_broker_answers_again() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    publisher = InMemoryPublisher(refuse("bad"))
+    relay = Relay(
+        OutboxStore("default"),
+        publisher,
+        RelayConfig.from_settings(
+            OutboxSettings(
+                max_attempts=5,
+                retry_base_seconds=30.0,
+                retry_max_seconds=60.0,
+                broker_outage_cooldown=0.05,
+            ),
+            breaker_threshold=1,
+        ),
+        listeners=[RelayMetrics(PrometheusSink(registry))],
+    )
+    with transaction.atomic():
+        OutboxStore("default").insert([envelope("bad")])
+    publisher.down = True
+    relay.run_once()
+    assert registry.get_sample_value("celery_outbox_breaker_open") == 1
+    publisher.down = False
+    time.sleep(0.2)  # the cool-down passes; the broker is back and refuses the row
+    relay.run_once()
+    assert registry.get_sample_value("celery_outbox_failed_total") == 1
+    assert not relay.breaker.is_open(time.monotonic())
+    assert registry.get_sample_value("celery_outbox_breaker_open") == 0
+
+
+def test_statsd_metrics_reach_an_ipv6_address() -> None:
+    server = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    server.bind(("::1", 0))
+    server.settimeout(2.0)
+    try:
+        sink = StatsdSink(f"[::1]:{server.getsockname()[1]}")
+        sink.count("published_total", 3)
+        sink.close()
+        assert server.recv(1024) == b"celery_outbox_published_total:3|c"
+    finally:
+        server.close()
+
+
+def test_a_statsd_port_out_of_range_is_refused_when_the_sink_is_built() -> None:
+    with pytest.raises(ValueError, match="host:8125"):
+        StatsdSink("127.0.0.1:99999")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -101,3 +102,39 @@ def test_a_retry_cap_below_the_base_is_refused_from_flags_too() -> None:
         RelayConfig.from_settings(
             OutboxSettings(), retry_base_seconds=60, retry_max_seconds=5
         )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("LEASE_SECONDS", math.inf),
+        ("SEND_TIMEOUT", math.nan),
+        ("POLL_INTERVAL", math.inf),
+        ("RETRY_MAX_SECONDS", math.inf),
+        ("BROKER_OUTAGE_COOLDOWN", math.nan),
+        ("DEAD_LETTER_RETENTION", math.inf),
+        ("DEAD_LETTER_RETENTION", math.nan),
+    ],
+)
+def test_infinite_and_nan_seconds_are_refused(name: str, value: float) -> None:
+    with pytest.raises(OutboxConfigurationError, match=f"CELERY_OUTBOX_{name}"):
+        load_settings(settings(**{name: value}))
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["statsd.internal", "statsd.internal:", ":8125", "localhost:99999", "localhost:0"],
+)
+def test_a_statsd_address_without_a_usable_port_is_refused_at_start_up(
+    address: str,
+) -> None:
+    with pytest.raises(
+        OutboxConfigurationError,
+        match=r"CELERY_OUTBOX_STATSD_ADDRESS must be 'host:port'",
+    ):
+        load_settings(settings(STATSD_ADDRESS=address))
+
+
+@pytest.mark.parametrize("address", ["statsd.internal:8125", "[::1]:8125"])
+def test_a_statsd_address_is_accepted(address: str) -> None:
+    assert load_settings(settings(STATSD_ADDRESS=address)).statsd_address == address
