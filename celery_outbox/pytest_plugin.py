@@ -3,7 +3,9 @@
 Loaded automatically through the ``pytest11`` entry point. pytest loads plugins
 before Django is configured, so this module imports nothing from Django or from the
 outbox models: the fixtures import :mod:`celery_outbox.testing` when a test uses
-them. Test suites that never use the fixtures are not affected.
+them. Test suites that never use the fixtures are not affected; a test that uses one
+without a ``django_db`` mark is given a plain one, so pytest-django creates the test
+database for it.
 
 * ``outbox`` — an :class:`~celery_outbox.testing.OutboxFixture`: ``messages``,
   ``task_names()``, ``assert_enqueued()``, ``assert_not_enqueued()``, ``clear()``,
@@ -24,6 +26,38 @@ if TYPE_CHECKING:
     from .broker import InMemoryPublisher
     from .envelope import Envelope
     from .testing import ExecutedTask, OutboxFixture
+
+
+#: The fixtures that use the database.
+FIXTURES = frozenset({"outbox", "outbox_broker", "outbox_drain", "outbox_run"})
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Mark unmarked tests that use an outbox fixture ``django_db``.
+
+    pytest-django sets up the test databases for the tests that carry the mark or
+    name ``db`` in their signature; the fixtures ask for ``db`` only as they run, too
+    late to count. Without the mark, a run of only such tests would not create the
+    test database and would reach the real one named in settings.
+    """
+    if not config.pluginmanager.hasplugin("django"):
+        return  # the fixtures themselves say that pytest-django is missing
+    unmarked = [
+        item
+        for item in items
+        if FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("django_db") is None
+    ]
+    if not unmarked:
+        return
+    from django.conf import settings
+
+    if not settings.configured:
+        return  # pytest-django would skip the test; the fixture says what is missing
+    for item in unmarked:
+        item.add_marker(pytest.mark.django_db)
 
 
 def _database_access(request: pytest.FixtureRequest) -> None:

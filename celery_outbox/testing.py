@@ -31,6 +31,7 @@ from .relay.core import Outcome, PublishResult
 from .relay.events import LoopError, RelayEvent
 from .relay.loop import Cycle, Relay
 from .relay.waiter import Waiter
+from .signals import send_relay_signals
 from .store import OutboxStore
 
 __all__ = [
@@ -460,7 +461,8 @@ class OutboxFixture:
             # connection could not see: no prefetching.
             RelayConfig.from_settings(get_settings(), until_empty=True, prefetch=False),
             waiter=waiter,
-            listeners=(listen,),
+            # The relay's Django signals, as `outbox relay` sends them.
+            listeners=(send_relay_signals, listen),
         )
         try:
             with store.relay_lock():

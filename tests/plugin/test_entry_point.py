@@ -116,3 +116,27 @@ def test_without_pytest_django_the_fixtures_say_what_is_missing(
     result.stdout.fnmatch_lines(
         ["*celery-outbox's outbox fixtures need pytest-django*"]
     )
+
+
+INNER_UNMARKED_SUITE = """
+from django.db import connection, transaction
+
+from tests.project.shop.tasks import add
+
+
+def test_enqueued_without_a_mark(outbox):
+    assert connection.settings_dict["NAME"].startswith("test_")
+    with transaction.atomic():
+        add.delay(1, 2)
+    outbox.assert_enqueued(add, args=(1, 2), count=1)
+"""
+
+
+@pytest.mark.usefixtures("inner_env")
+def test_a_suite_of_unmarked_tests_gets_the_test_database(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    pytester.makepyfile(test_inner=INNER_UNMARKED_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(passed=1)

@@ -12,12 +12,13 @@ from celery import chain
 from django.db import transaction
 from kombu import Connection
 
+from celery_outbox import signals
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.relay.core import Outcome, PublishResult
 from celery_outbox.testing import OutboxDrainError, OutboxFixture
 from tests.project.shop.models import TaskRun
-from tests.project.shop.tasks import add, record, spawn
+from tests.project.shop.tasks import add, record, spawn, spawn_child
 
 from ..conftest import BROKER_AMQP
 
@@ -326,3 +327,37 @@ def test_filter_returns_the_matching_messages(outbox: OutboxFixture) -> None:
     assert [m.args for m in outbox.filter(add)] == [(1, 2), (3, 4)]
     assert [m.args for m in outbox.filter(args=("r",))] == [("r",)]
     assert outbox.filter("shop.add", kwargs={"tag": "x"}) == []
+
+
+# -- a worker's view, the relay's signals ------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Task.apply takes parent_id/root_id from the task running now, not from "
+    "the message; documented in testing.md",
+)
+def test_run_enqueued_gives_a_task_the_lineage_a_worker_would(
+    outbox: OutboxFixture,
+) -> None:
+    with transaction.atomic():
+        parent = spawn_child.delay("p", atomic=True)
+    outbox.run_enqueued()
+    child = TaskRun.objects.get(tag="p-child")
+    assert child.value == repr({"parent_id": parent.id, "root_id": parent.id})
+
+
+def test_drain_sends_the_relays_django_signals(outbox: OutboxFixture) -> None:
+    published: list[str] = []
+
+    def receiver(sender: Any, task_id: str, **kwargs: Any) -> None:
+        published.append(task_id)
+
+    signals.message_published.connect(receiver)
+    try:
+        with transaction.atomic():
+            sent = record.delay("signalled")
+        outbox.drain()
+    finally:
+        signals.message_published.disconnect(receiver)
+    assert published == [sent.id]
