@@ -147,6 +147,15 @@ class OutboxStore(OperatorQueries):
                 unreadable.append(
                     Decision(int(row[0]), Action.DEAD_LETTER, 0.0, str(exc))
                 )
+            except (ValueError, TypeError) as exc:
+                # Edited by hand or damaged: dead-lettered as it is, so that it stops
+                # no batch and can be fixed and replayed from there.
+                error = (
+                    f"Outbox row {row[0]} cannot be read ({exc}); it was dead-lettered "
+                    f"unchanged. Correct the row in the dead-letter table and replay it."
+                )
+                logger.error("%s", error)
+                unreadable.append(Decision(int(row[0]), Action.DEAD_LETTER, 0.0, error))
         return Claim(token, tuple(messages), tuple(unreadable))
 
     def settle(self, token: str, settlement: Settlement) -> SettleReport:
@@ -390,10 +399,21 @@ _DECLARE_CACHE: dict[str, tuple[str, ...]] = {}
 
 
 def _declare_queues(text: str) -> tuple[str, ...]:
-    """``tuple(load_json(text))``, remembered (the result is immutable)."""
+    """``tuple(load_json(text))``, remembered (the result is immutable).
+
+    Raises :class:`ValueError` when the text is not a JSON list of queue names.
+    """
     found = _DECLARE_CACHE.get(text)
     if found is None:
-        found = tuple(load_json(text))
+        try:
+            names = load_json(text)
+        except ValueError:
+            names = None
+        if type(names) is not list or not all(type(name) is str for name in names):
+            raise ValueError(
+                f"its declare_queues is not a JSON list of queue names: {text[:80]!r}"
+            )
+        found = tuple(names)
         if len(_DECLARE_CACHE) >= 256:
             _DECLARE_CACHE.clear()
         _DECLARE_CACHE[text] = found

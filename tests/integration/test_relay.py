@@ -378,3 +378,26 @@ def test_an_open_breaker_hands_back_a_prefetched_batch(alias: str) -> None:
         relay.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("text", ["not json", "5", "[1, 2]"])
+def test_a_row_the_relay_cannot_read_is_dead_lettered_and_blocks_nothing(
+    alias: str, text: str
+) -> None:
+    # A row edited by hand (or damaged): reading it fails. It must not stop the
+    # claim of every batch it is in, nor be published with what it holds.
+    enqueue(alias, "good-1", "damaged", "good-2")
+    OutboxMessage.objects.using(alias).filter(task_id__startswith="damaged").update(
+        declare_queues=text
+    )
+    publisher = InMemoryPublisher()
+    assert relay_for(alias, publisher, until_empty=True).run() is StopReason.EMPTY
+    assert sorted(e.task_id.split("-")[0] for e in publisher.published) == [
+        "good",
+        "good",
+    ]
+    assert not OutboxMessage.objects.using(alias).exists()
+    dead = DeadLetter.objects.using(alias).get()
+    assert dead.task_id.startswith("damaged")
+    assert dead.declare_queues == text  # kept as it was, to be fixed and replayed
+    assert "cannot be read" in dead.last_error
