@@ -12,9 +12,11 @@ Import this module only once Django is configured.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from kombu import serialization
@@ -550,7 +552,7 @@ class OutboxFixture:
                 f"in the Celery app {app.main!r}; a worker would reject it. Is the "
                 f"module that defines it imported (autodiscover_tasks)?"
             ) from None
-        with _capture_sends_from_tasks():
+        with _capture_sends_from_tasks(), _sent_by(message):
             result = task.apply(
                 message.args,
                 message.kwargs,
@@ -566,6 +568,38 @@ class OutboxFixture:
             if result.state == "SUCCESS":
                 _continue_chain(app, message, result.result)
         return ExecutedTask(message, result)
+
+
+class _Sender:
+    """Stands, on Celery's task stack, for the task that sent a message.
+
+    ``Task.apply`` takes the new task's ``parent_id`` and ``root_id`` from the top of
+    that stack, where a worker takes them from the message. ``called_directly``
+    keeps it from ever counting as a task a worker runs.
+    """
+
+    def __init__(self, parent_id: str | None, root_id: str | None) -> None:
+        self.request = SimpleNamespace(
+            id=parent_id, root_id=root_id, called_directly=True
+        )
+
+
+@contextlib.contextmanager
+def _sent_by(message: EnqueuedTask) -> Iterator[None]:
+    """Run ``Task.apply`` with the lineage (parent and root ids) the message carries."""
+    if message.parent_id is None and message.root_id in (None, message.task_id):
+        yield  # a workflow's first task: what Task.apply gives it anyway
+        return
+    # Celery keeps the stack to itself (nor do its stubs know it).
+    from celery._state import _task_stack  # type: ignore[attr-defined]
+
+    sender = _Sender(message.parent_id, message.root_id)
+    _task_stack.push(sender)
+    try:
+        yield
+    finally:
+        if _task_stack.top is sender:
+            _task_stack.pop()
 
 
 def _capture_sends_from_tasks() -> Any:

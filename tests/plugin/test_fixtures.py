@@ -18,7 +18,7 @@ from celery_outbox.envelope import StoredMessage
 from celery_outbox.relay.core import Outcome, PublishResult
 from celery_outbox.testing import OutboxDrainError, OutboxFixture
 from tests.project.shop.models import TaskRun
-from tests.project.shop.tasks import add, record, spawn, spawn_child
+from tests.project.shop.tasks import add, record, spawn, spawn_child, trace
 
 from ..conftest import BROKER_AMQP
 
@@ -332,11 +332,6 @@ def test_filter_returns_the_matching_messages(outbox: OutboxFixture) -> None:
 # -- a worker's view, the relay's signals ------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Task.apply takes parent_id/root_id from the task running now, not from "
-    "the message; documented in testing.md",
-)
 def test_run_enqueued_gives_a_task_the_lineage_a_worker_would(
     outbox: OutboxFixture,
 ) -> None:
@@ -345,6 +340,20 @@ def test_run_enqueued_gives_a_task_the_lineage_a_worker_would(
     outbox.run_enqueued()
     child = TaskRun.objects.get(tag="p-child")
     assert child.value == repr({"parent_id": parent.id, "root_id": parent.id})
+
+
+def test_run_enqueued_keeps_the_lineage_the_message_names(
+    outbox: OutboxFixture,
+) -> None:
+    with transaction.atomic():
+        trace.apply_async(("deep",), parent_id="step-2", root_id="step-1")
+        trace.delay("first")
+    outbox.run_enqueued()
+    assert TaskRun.objects.get(tag="deep").value == repr(
+        {"parent_id": "step-2", "root_id": "step-1"}
+    )
+    first = TaskRun.objects.get(tag="first")
+    assert first.value == repr({"parent_id": None, "root_id": first.task_id})
 
 
 def test_drain_sends_the_relays_django_signals(outbox: OutboxFixture) -> None:
