@@ -15,7 +15,6 @@ import json
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -360,11 +359,6 @@ def preview(headers: Mapping[str, Any]) -> str:
     return text
 
 
-#: A process sends at most one wake-up hint per this many seconds; rows committed in
-#: between are found by the relay's drain or its short adaptive poll.
-NOTIFY_COALESCE_SECONDS = 0.02
-
-
 class Enqueuer:
     """Writes captured messages through the store, with the transaction checks."""
 
@@ -373,7 +367,6 @@ class Enqueuer:
     ) -> None:
         """``on_commit(alias, task_ids)`` is called for each write when publish-on-commit is on."""
         self.guard = TransactionGuard()
-        self._last_notify = -1.0
         self._on_commit = on_commit
 
     def write(self, envelopes: Sequence[Envelope]) -> None:
@@ -382,12 +375,8 @@ class Enqueuer:
         alias = outbox_alias(settings)
         for name in dict.fromkeys(e.task_name for e in envelopes):
             self.guard.check(alias, name, settings.outside_transaction)
-        notify = False
-        if settings.notify:
-            now = time.monotonic()
-            if now - self._last_notify >= NOTIFY_COALESCE_SECONDS:
-                self._last_notify, notify = now, True
-        OutboxStore(alias).insert(envelopes, notify=notify)
+        # The store coalesces the hints of a burst of commits.
+        OutboxStore(alias).insert(envelopes, notify=settings.notify)
         send_created(envelopes, alias)
         if settings.publish_on_commit and self._on_commit is not None:
             self._on_commit(alias, [e.task_id for e in envelopes])

@@ -26,6 +26,7 @@ from django.db.backends.postgresql.psycopg_any import is_psycopg3
 from django.db.backends.utils import debug_transaction
 
 from .held import HeldRows
+from .notify import HINTS
 from .store import OutboxStore
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class WriteOnCommitMixin(_Wrapper):
             # Values inline where the session allows them, as at commit: thousands of
             # held rows would otherwise pass PostgreSQL's 65,535 bound parameters
             # under server-side binding.
-            OutboxStore(self.alias).write(envelopes, notify=notify)
+            OutboxStore(self.alias).write(envelopes, notify=notify and HINTS.due())
 
     def connect(self) -> None:
         # A new session continues no transaction: nothing held may travel into it.
@@ -94,6 +95,9 @@ class WriteOnCommitMixin(_Wrapper):
         from psycopg import ClientCursor  # psycopg 3 only, which is_psycopg3 checked
 
         envelopes, notify = self.outbox_held_rows.take()
+        # Decided now, not when the rows were enqueued: a hint another transaction
+        # committed since then (or one that rolled back) is what counts.
+        notify = notify and HINTS.due()
         store = OutboxStore(self.alias)
         try:
             text = store.insert_text(envelopes, notify=notify)
@@ -117,6 +121,8 @@ class WriteOnCommitMixin(_Wrapper):
                 f"The outbox rows could not be sent with the COMMIT: {exc!r}. "
                 f"The transaction was rolled back."
             ) from exc
+        if notify:
+            HINTS.committed()
         # psycopg reads the transaction state from the server's reply: its commit()
         # is now a no-op, so Django's bookkeeping after _commit() stays as it is.
 

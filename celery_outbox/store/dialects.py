@@ -68,6 +68,8 @@ class Dialect:
     vendor = ""
     #: Whether several relays can claim from the table at once.
     concurrent_claims = True
+    #: Whether :meth:`insert` can carry a wake-up hint.
+    notifies = False
 
     def now(self) -> str:
         """An SQL expression for the database's current UTC time."""
@@ -149,6 +151,7 @@ class Dialect:
 
 class PostgresDialect(Dialect):
     vendor = "postgresql"
+    notifies = True
 
     def insert(self, insert_sql: str, notify: bool) -> str:
         if not notify:

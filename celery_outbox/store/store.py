@@ -43,6 +43,7 @@ from .dialects import (
     placeholders,
 )
 from .held import HELD_ROWS, HeldRows
+from .notify import HINTS, remember_hint
 from .operator import OperatorQueries
 from .types import (
     Claim,
@@ -60,10 +61,11 @@ class OutboxStore(OperatorQueries):
     def insert(self, envelopes: Sequence[Envelope], *, notify: bool = False) -> None:
         """Write messages in the caller's current transaction, in one statement.
 
-        With ``notify`` on PostgreSQL the same statement tells listening relays. On a
-        connection of the write-on-commit engine (:mod:`celery_outbox.backends`) inside
-        ``atomic()``, the rows are held and written before the connection's next
-        statement or in its ``COMMIT``'s round trip.
+        With ``notify`` on PostgreSQL the same statement tells listening relays, unless
+        a hint of this process committed just now (:class:`.notify.HintCoalescer`). On
+        a connection of the write-on-commit engine (:mod:`celery_outbox.backends`)
+        inside ``atomic()``, the rows are held and written before the connection's
+        next statement or in its ``COMMIT``'s round trip, where the hint is decided.
         """
         if not envelopes:
             return
@@ -78,16 +80,19 @@ class OutboxStore(OperatorQueries):
         ):
             held.add(envelopes, notify)
             return
-        self.write(envelopes, notify=notify)
+        self.write(envelopes, notify=notify and HINTS.due())
 
     def write(self, envelopes: Sequence[Envelope], *, notify: bool) -> None:
         """Send the INSERT of checked messages now, values inline where they may be."""
         text = self.insert_text(envelopes, notify=notify)
-        with self.connection.cursor() as cursor:
+        connection = self.connection
+        with connection.cursor() as cursor:
             if text is None:
                 cursor.execute(*self.insert_statement(envelopes, notify=notify))
             else:
                 cursor.execute(text)
+        if notify and self.dialect.notifies:
+            remember_hint(connection)
 
     def insert_text(self, envelopes: Sequence[Envelope], *, notify: bool) -> str | None:
         """The INSERT of :meth:`insert_statement` with its values inline, or None.
