@@ -64,13 +64,18 @@ def inner_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OUTBOX_TEST_DB_NAME", raising=False)
 
 
+def run_inner_suite(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
+    """Run ``source`` as a test module of its own, in a pytest subprocess."""
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    pytester.makepyfile(test_inner=source)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+
+
 @pytest.mark.usefixtures("inner_env")
 def test_the_fixtures_are_loaded_through_the_entry_point(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makeini("[pytest]\nfilterwarnings = error\n")
-    pytester.makepyfile(test_inner=INNER_DJANGO_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result = run_inner_suite(pytester, INNER_DJANGO_SUITE)
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -136,7 +141,5 @@ def test_enqueued_without_a_mark(outbox):
 def test_a_suite_of_unmarked_tests_gets_the_test_database(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makeini("[pytest]\nfilterwarnings = error\n")
-    pytester.makepyfile(test_inner=INNER_UNMARKED_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result = run_inner_suite(pytester, INNER_UNMARKED_SUITE)
     result.assert_outcomes(passed=1)
