@@ -56,7 +56,7 @@ class WriteOnCommitMixin(_Wrapper):
             # Values inline where the session allows them, as at commit: thousands of
             # held rows would otherwise pass PostgreSQL's 65,535 bound parameters
             # under server-side binding.
-            OutboxStore(self.alias).write(envelopes, notify=notify and HINTS.due())
+            OutboxStore(self.alias).write(envelopes, notify=notify)
 
     def connect(self) -> None:
         # A new session continues no transaction: nothing held may travel into it.

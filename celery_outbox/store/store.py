@@ -80,10 +80,15 @@ class OutboxStore(OperatorQueries):
         ):
             held.add(envelopes, notify)
             return
-        self.write(envelopes, notify=notify and HINTS.due())
+        self.write(envelopes, notify=notify)
 
     def write(self, envelopes: Sequence[Envelope], *, notify: bool) -> None:
-        """Send the INSERT of checked messages now, values inline where they may be."""
+        """Send the INSERT of checked messages now, values inline where they may be.
+
+        ``notify`` asks for the wake-up hint, which is left out while one of this
+        process committed just now.
+        """
+        notify = notify and self.dialect.notifies and HINTS.due()
         text = self.insert_text(envelopes, notify=notify)
         connection = self.connection
         with connection.cursor() as cursor:
@@ -91,7 +96,7 @@ class OutboxStore(OperatorQueries):
                 cursor.execute(*self.insert_statement(envelopes, notify=notify))
             else:
                 cursor.execute(text)
-        if notify and self.dialect.notifies:
+        if notify:
             remember_hint(connection)
 
     def insert_text(self, envelopes: Sequence[Envelope], *, notify: bool) -> str | None:

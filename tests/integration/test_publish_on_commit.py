@@ -113,6 +113,14 @@ def test_a_rolled_back_call_of_a_decorated_view_does_not_stop_later_ones(
     assert sorted(drain_queue(test_queue)) == sorted(sent)
 
 
+def relay_sends() -> list[str]:
+    """The task ids a relay finds to publish, running until the outbox is empty."""
+    publisher = InMemoryPublisher()
+    config = RelayConfig.from_settings(OutboxSettings(), until_empty=True)
+    Relay(OutboxStore("default"), publisher, config, listeners=()).run()
+    return [e.task_id for e in publisher.published]
+
+
 @pytest.mark.parametrize("end", ["rollback", "commit"])
 def test_a_manual_transaction_leaves_its_rows_to_the_relay(
     settings: Any, test_queue: str, end: str
@@ -132,10 +140,7 @@ def test_a_manual_transaction_leaves_its_rows_to_the_relay(
     assert drain_queue(test_queue) == []
     committed = [sent] if end == "commit" else []
     assert list(OutboxMessage.objects.values_list("task_id", flat=True)) == committed
-    publisher = InMemoryPublisher()
-    config = RelayConfig.from_settings(OutboxSettings(), until_empty=True)
-    Relay(OutboxStore("default"), publisher, config, listeners=()).run()
-    assert [e.task_id for e in publisher.published] == committed
+    assert relay_sends() == committed
 
 
 @pytest.fixture
@@ -186,10 +191,7 @@ def test_a_settlement_lost_to_a_database_error_is_retried_at_the_next_commit(
     assert drain_queue(test_queue) == [second]
     # As if the lease ran out: a relay must find nothing left to publish.
     OutboxMessage.objects.update(available_at=timezone.now() - timedelta(seconds=1))
-    publisher = InMemoryPublisher()
-    config = RelayConfig.from_settings(OutboxSettings(), until_empty=True)
-    Relay(OutboxStore("default"), publisher, config, listeners=()).run()
-    assert [e.task_id for e in publisher.published] == []
+    assert relay_sends() == []
     assert not OutboxMessage.objects.exists()
 
 
