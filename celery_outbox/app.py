@@ -6,10 +6,11 @@ import contextlib
 import gc
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
+from celery._state import get_current_task
 from django.db import connections
 from django.utils.module_loading import import_string
 
@@ -26,7 +27,20 @@ from .enqueue import (
     refuse_for_amqp,
 )
 from .exceptions import OutboxConfigurationError
-from .fastpath import Shapes, call_parts, current_process, task_id_of
+from .fastpath import (
+    PlainCall,
+    Shapes,
+    call_parts,
+    current_process,
+    new_task_id,
+    publish_watched,
+    task_id_of,
+)
+
+#: Where a task keeps its :class:`PlainCall` per thread.
+_PLAIN_CALLS = "_outbox_plain_calls"
+#: Threads whose plain calls a task keeps before it starts again.
+_MAX_PLAIN_THREADS = 256
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
 
@@ -39,6 +53,10 @@ class OutboxCelery(Celery):
     with the task id the worker will see. The relay (``manage.py outbox relay``)
     publishes the row once the transaction has committed.
     """
+
+    #: Its plain calls skip most of Celery once one was sent (an app's own
+    #: ``task_cls`` still works: its calls take the longer way).
+    task_cls = "celery_outbox.task:OutboxTask"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -119,6 +137,7 @@ class OutboxCelery(Celery):
         if producer.amqp:  # the id is also the correlation_id, a short string
             refuse_for_amqp(name, shortstr_problem("task id", task_id))
         envelope = template.build(name, task_id, parts[0], parts[1], settings)
+        self._outbox_shapes.used(task_id, template)
         ignore_result = options.get("ignore_result")
         if not ignore_result:
             self.backend.on_task_call(producer, task_id)
@@ -126,6 +145,75 @@ class OutboxCelery(Celery):
         result = (options.get("result_cls") or self.AsyncResult)(task_id)
         result.ignored = ignore_result
         return result
+
+    def _send_plain(
+        self, task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> Any:
+        """Send a plain call of ``task`` as its last one was sent; None: through Celery.
+
+        Does what Celery's ``apply_async`` and :meth:`_send_by_shape` would do for this
+        call, minus what the thread's :class:`PlainCall` already settled: the options
+        (Celery keeps a task's options once read), the route and the shape.
+        """
+        plains: dict[int, PlainCall] | None = task.__dict__.get(_PLAIN_CALLS)
+        if plains is None:
+            return None
+        plain = plains.get(threading.get_ident())
+        if plain is None:
+            return None
+        template = plain.template
+        conf = plain.conf
+        if (
+            self.conf is not conf
+            or template.version is not conf.version
+            or template.process is not current_process()
+            or plain.settings is not get_settings()
+            or task.ignore_result is not plain.ignore_result
+            or publish_watched()
+            or get_current_task() is not None  # inside a task: lineage, maybe direct
+        ):
+            return None
+        soft, hard = task.soft_time_limit, task.time_limit
+        if soft and hard and soft > hard:
+            return None  # Celery's apply_async says what is wrong
+        parts = call_parts((args, kwargs))
+        if parts is None:
+            return None
+        if task.typing:
+            check_arguments = getattr(task, "__header__", None)
+            if check_arguments is not None:
+                check_arguments(*parts[0], **parts[1])  # Celery's TypeError, as is
+        # A new id is always a short ASCII string: no check for RabbitMQ needed.
+        task_id = new_task_id()
+        envelope = template.build(
+            task.name, task_id, parts[0], parts[1], plain.settings
+        )
+        ignore_result = plain.ignore_result
+        if not ignore_result:
+            self.backend.on_task_call(self._thread_producer(), task_id)
+        self._outbox_enqueuer.write([envelope])
+        result = task.AsyncResult(task_id)
+        result.ignored = ignore_result
+        return result
+
+    def _learn_plain(self, task: Any, result: Any) -> None:
+        """After a plain call went through Celery: keep how it was sent, if a template built it."""
+        if (
+            type(task).shadow_name is not Task.shadow_name  # a shadow per call
+            or task.__v2_compat__
+            or getattr(task, "_dump_pydantic_arguments", None) is not None
+        ):
+            return
+        template = self._outbox_shapes.built(getattr(result, "id", None) or "")
+        conf = self.conf
+        if template is None or not isinstance(conf, MemoizedSettings):
+            return
+        plains: dict[int, PlainCall] = task.__dict__.setdefault(_PLAIN_CALLS, {})
+        if len(plains) >= _MAX_PLAIN_THREADS:  # threads come and go
+            plains.clear()
+        plains[threading.get_ident()] = PlainCall(
+            template, conf, get_settings(), task.ignore_result
+        )
 
     @contextlib.contextmanager
     def producer_or_acquire(  # type: ignore[override]

@@ -266,12 +266,7 @@ class Shapes:
         """The call's shape, or None when it cannot take the short path."""
         if len(call_args) > 2 or options.get("task_type") is None:
             return None  # not from apply_async: Celery resolves the task's options
-        if (
-            signals.before_task_publish.receivers
-            or signals.after_task_publish.receivers
-            or getattr(signals, "task_sent", _NO_SIGNAL).receivers
-            or _traced()
-        ):
+        if publish_watched():
             return None
         keyed: list[tuple[str, type, Any]] = [("", str, name)]
         for option, value in options.items():
@@ -291,6 +286,15 @@ class Shapes:
         """The current template of a shape, if there is one."""
         found = self._templates().get(key)
         return found if _current(found, version) else None
+
+    def used(self, task_id: str, template: Template) -> None:
+        """Note that this thread's call ``task_id`` was built from ``template``."""
+        self._local.last = (task_id, template)
+
+    def built(self, task_id: str) -> Template | None:
+        """The template this thread's last templated call was built from, if it was ``task_id``."""
+        last: tuple[str, Template] | None = getattr(self._local, "last", None)
+        return last[1] if last is not None and last[0] == task_id else None
 
     def learn(
         self,
@@ -321,6 +325,7 @@ class Shapes:
             else:
                 if _same_message(rebuilt, envelope):
                     found = template
+                    self.used(envelope.task_id, template)
         if len(templates) >= _MAX_SHAPES:  # shapes keyed on values computed per call
             templates.clear()
         templates[key] = found
@@ -330,6 +335,33 @@ class Shapes:
         return sum(
             1 for found in self._templates().values() if _current(found, version)
         )
+
+
+def publish_watched() -> bool:
+    """Whether a receiver or a tracer may change or watch each published message."""
+    return bool(
+        signals.before_task_publish.receivers
+        or signals.after_task_publish.receivers
+        or getattr(signals, "task_sent", _NO_SIGNAL).receivers
+        or _traced()
+    )
+
+
+@dataclass(frozen=True)
+class PlainCall:
+    """How one thread sends a task's plain calls: ``delay(...)``, ``apply_async(args, kwargs)``.
+
+    A plain call gets its options from the task alone, so once one of them was built
+    from a template, the next ones skip Celery's ``apply_async`` and the shape lookup.
+    Valid while the template is, the settings object is the one it was made under and
+    the task's ``ignore_result`` (read by Celery on every call) has not changed.
+    """
+
+    template: Template
+    #: The app's configuration the template was made from (a ``MemoizedSettings``).
+    conf: Any
+    settings: OutboxSettings
+    ignore_result: object
 
 
 def _current(found: object, version: object) -> TypeGuard[Template]:

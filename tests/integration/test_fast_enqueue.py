@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import signals
+from celery import Task, signals
+from celery.contrib.django.task import DjangoTask
 from celery.utils.saferepr import saferepr
 from django.conf import settings
 from django.db import transaction
@@ -37,10 +38,20 @@ from .conftest import ALIASES
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 
+class CountingCelery(OutboxCelery):
+    """Counts the calls that went through Celery's ``apply_async`` (it ends in send_task)."""
+
+    through_celery = 0
+
+    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+        self.through_celery += 1
+        return super().send_task(name, *args, **options)
+
+
 @pytest.fixture
-def app() -> Iterator[OutboxCelery]:
+def app() -> Iterator[CountingCelery]:
     """An OutboxCelery of its own (its configuration is changed by the tests)."""
-    app = OutboxCelery("fast", set_as_current=False)
+    app = CountingCelery("fast", set_as_current=False)
     app.conf.update(
         broker_url=BROKER_AMQP, task_default_queue="fast-q", result_backend=None
     )
@@ -360,3 +371,195 @@ def test_the_driver_binds_the_values_where_literals_would_not_be_exact(
     assert dict(claimed.envelope.headers) == {"argsrepr": tricky}
     assert dict(claimed.envelope.properties) == {"correlation_id": tricky}
     assert claimed.envelope.arguments_preview == tricky
+
+
+# -- plain calls: the task sends them from the template (celery_outbox.task) -------
+
+
+def plain(app: OutboxCelery, *args: Any) -> str:
+    """``fast.work.delay(*args)`` in a committed transaction; the id."""
+    with transaction.atomic():
+        return str(app.tasks["fast.work"].delay(*args).id)
+
+
+def stored_message(task_id: str) -> dict[str, Any]:
+    """What a row holds of the message (the id fields as they were written)."""
+    found = row(task_id)
+    return {
+        "headers": found.headers,
+        "properties": found.properties,
+        "body": bytes(found.body),
+        "where": (found.exchange, found.routing_key, found.queue),
+        "declare": found.declare_queues,
+        "preview": found.arguments_preview,
+        "content": (found.content_type, found.content_encoding),
+    }
+
+
+def test_plain_calls_skip_celery_once_one_was_built_from_a_template(
+    app: CountingCelery, settings: Any
+) -> None:
+    ids = [plain(app, n, f"word-{n}") for n in range(5)]
+    # The first call goes through Celery, which teaches the shape's template and
+    # the task its plain call; the other four never reach Celery.
+    assert app.through_celery == 1
+    assert len(set(ids)) == 5
+    assert OutboxMessage.objects.filter(task_id__in=ids).count() == 5
+    last = ids[-1]
+    fast = stored_message(last)
+    assert json.loads(fast["body"])[0] == [4, "word-4"]
+    # The same call with the same id, built by Celery from scratch.
+    settings.CELERY_OUTBOX_FAST_ENQUEUE = False
+    with transaction.atomic():
+        reference = app.tasks["fast.work"].apply_async((4, "word-4"), task_id=last)
+        assert reference.id == last
+        by_celery = OutboxMessage.objects.filter(task_id=last).order_by("-id").first()
+        assert by_celery is not None
+        assert {
+            "headers": by_celery.headers,
+            "properties": by_celery.properties,
+            "body": bytes(by_celery.body),
+            "where": (by_celery.exchange, by_celery.routing_key, by_celery.queue),
+            "declare": by_celery.declare_queues,
+            "preview": by_celery.arguments_preview,
+            "content": (by_celery.content_type, by_celery.content_encoding),
+        } == fast
+        transaction.set_rollback(True)
+    assert app.through_celery == 2
+
+
+def test_a_plain_call_returns_the_result_celery_would(app: CountingCelery) -> None:
+    work = app.tasks["fast.work"]
+    plain(app, 1)
+    plain(app, 2)
+    with transaction.atomic():
+        result = work.delay(3)
+    assert app.through_celery == 1
+    assert type(result) is type(work.AsyncResult(result.id))
+    assert result.app is app
+    assert result.ignored is False
+    assert result.backend is work.backend
+
+
+def test_a_plain_call_checks_its_arguments_as_celery_does(app: CountingCelery) -> None:
+    @app.task(name="fast.one", shared=False)
+    def one(number: int) -> int:
+        return number
+
+    for n in range(3):
+        with transaction.atomic():
+            one.delay(n)
+    before = app.through_celery
+    with transaction.atomic():
+        Order.objects.create(number="kept")
+        with pytest.raises(TypeError):
+            one.delay(1, 2)
+    assert app.through_celery == before  # refused on the short way
+    assert Order.objects.count() == 1
+    assert OutboxMessage.objects.filter(task_name="fast.one").count() == 3
+
+
+def test_ignore_result_set_later_reaches_the_next_plain_call(
+    app: CountingCelery,
+) -> None:
+    work = app.tasks["fast.work"]
+    plain(app, 1)
+    plain(app, 2)
+    assert '"ignore_result": false' in row(plain(app, 3)).headers
+    work.ignore_result = True
+    try:
+        changed = plain(app, 4)
+        again = plain(app, 5)
+    finally:
+        work.ignore_result = False
+    assert '"ignore_result": true' in row(changed).headers
+    assert '"ignore_result": true' in row(again).headers
+    assert app.through_celery == 2  # the changed call teaches a new template
+
+
+def test_time_limits_that_contradict_each_other_are_refused_as_by_celery(
+    app: CountingCelery,
+) -> None:
+    work = app.tasks["fast.work"]
+    plain(app, 1)
+    plain(app, 2)
+    work.soft_time_limit, work.time_limit = 10, 5
+    try:
+        with transaction.atomic(), pytest.raises(ValueError, match="soft_time_limit"):
+            work.delay(3)
+    finally:
+        work.soft_time_limit = work.time_limit = None
+    assert OutboxMessage.objects.count() == 2
+
+
+def test_a_plain_call_inside_a_running_task_keeps_its_lineage(
+    app: CountingCelery,
+) -> None:
+    work = app.tasks["fast.work"]
+    plain(app, 1)
+    plain(app, 2)
+
+    @app.task(name="fast.outer", shared=False)
+    def outer() -> list[str]:
+        with transaction.atomic():
+            return [str(work.delay(n).id) for n in range(2)]
+
+    applied = outer.apply()
+    inner = applied.get()
+    assert app.through_celery == 3  # both went through Celery
+    for task_id in inner:
+        headers = json.loads(row(task_id).headers)
+        assert headers["parent_id"] == applied.id
+        assert headers["root_id"] == applied.id
+
+
+def test_a_custom_shadow_name_sends_every_call_through_celery(
+    app: CountingCelery,
+) -> None:
+    class Shadowed(app.Task):  # type: ignore[name-defined,misc]
+        def shadow_name(self, args: Any, kwargs: Any, options: Any) -> str | None:
+            # None for some calls: those alone cannot tell the next call needs none.
+            return f"fast.work-for-{args[0]}" if args[0] % 2 else None
+
+    @app.task(name="fast.shadowed", base=Shadowed, shared=False)
+    def shadowed(number: int) -> int:
+        return number
+
+    ids = []
+    for n in range(4):
+        with transaction.atomic():
+            ids.append(str(shadowed.delay(n).id))
+    assert app.through_celery == 4
+    assert [json.loads(row(i).headers)["shadow"] for i in ids] == [
+        None,
+        "fast.work-for-1",
+        None,
+        "fast.work-for-3",
+    ]
+
+
+def test_a_task_of_another_base_class_still_goes_through_the_outbox(
+    app: CountingCelery,
+) -> None:
+    class Plain(Task):  # type: ignore[type-arg]
+        pass
+
+    @app.task(name="fast.elsewhere", base=Plain, shared=False)
+    def elsewhere(number: int) -> int:
+        return number
+
+    ids = []
+    for n in range(3):
+        with transaction.atomic():
+            ids.append(str(elsewhere.delay(n).id))
+    assert app.through_celery == 3
+    assert OutboxMessage.objects.filter(task_id__in=ids).count() == 3
+
+
+def test_the_task_class_keeps_djangos_on_commit_helpers(app: CountingCelery) -> None:
+    work = app.tasks["fast.work"]
+    assert isinstance(work, DjangoTask)
+    with transaction.atomic():
+        work.delay_on_commit(1)
+        assert OutboxMessage.objects.count() == 0  # not before the commit
+    assert OutboxMessage.objects.count() == 1
