@@ -378,6 +378,25 @@ def test_durations_and_moments() -> None:
         parse_moment("yesterday", now)
 
 
+def test_ambiguous_durations_and_moments_are_refused_with_the_ways_to_say_them() -> (
+    None
+):
+    assert parse_duration("2H") == 7200.0  # capitals are fine where they say one thing
+    with pytest.raises(ValueError, match=r"ambiguous: write 6m for minutes"):
+        parse_duration("6M")
+    now = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+    # A compact date is a date to its writer and 232 days of seconds to the parser.
+    with pytest.raises(ValueError, match=r"2024-05-01.*20240501s"):
+        parse_moment("20240501", now)
+    assert parse_moment("20240501s", now) == now - timedelta(seconds=20240501)
+    assert parse_moment("3600", now) == datetime(2024, 5, 1, 11, 0, tzinfo=timezone.utc)
+
+
+def test_the_since_option_refuses_a_compact_date_before_touching_anything() -> None:
+    with pytest.raises(CommandError, match="ambiguous"):
+        outbox("replay", "--since", "20240501", "--dry-run")
+
+
 def test_stats_json_keeps_its_keys_and_adds_the_breakdown(on_alias: str) -> None:
     store = OutboxStore(on_alias)
     kill(store, "x", task_name="shop.add")
@@ -512,7 +531,7 @@ def test_purge_command(on_alias: str) -> None:
     assert store.stats().dead == 0
 
 
-@pytest.mark.parametrize("when", ["99999999d", "20240501w", "1" + "0" * 20])
+@pytest.mark.parametrize("when", ["99999999d", "20240501w", "1" + "0" * 20 + "s"])
 def test_a_moment_too_far_back_is_refused_with_a_clear_error(when: str) -> None:
     with pytest.raises(CommandError, match=r"--since: .* too far back"):
         outbox("replay", "--since", when, "--dry-run")
