@@ -55,4 +55,13 @@ def decode_arguments(
         args, kwargs = payload.get("args", ()), payload.get("kwargs", {})
     else:
         return DecodedArguments([], {}, "cannot decode: unexpected message layout")
-    return DecodedArguments(list(args or ()), dict(kwargs or {}))
+    args, kwargs = args or (), kwargs or {}
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, Mapping):
+        # Not a Celery task body (sent with send_task to another consumer, say).
+        return DecodedArguments(
+            [],
+            {},
+            f"cannot decode: not a Celery task body (arguments "
+            f"{type(args).__name__}, keyword arguments {type(kwargs).__name__})",
+        )
+    return DecodedArguments(list(args), dict(kwargs))
