@@ -53,42 +53,76 @@ class Sink(Protocol):
         ...
 
 
-class StatsdSink:
-    """Fire-and-forget StatsD over UDP; a lost datagram never slows the relay."""
+#: How often the StatsD host name is looked up again (a Service's address may move).
+RESOLVE_EVERY = 60.0
+#: How often while it could not be resolved at all (its datagrams are dropped).
+RETRY_UNRESOLVED = 5.0
 
-    def __init__(self, address: str) -> None:
+#: ``socket.getaddrinfo``'s shape: (host, port, family, type) -> address infos.
+Resolver = Callable[..., Any]
+
+
+class StatsdSink:
+    """Fire-and-forget StatsD over UDP; a lost datagram never slows the relay.
+
+    The host name is resolved when the sink is built and again every
+    :data:`RESOLVE_EVERY` seconds, never per datagram: a relay sends several per
+    batch, and a name such as ``statsd.monitoring.svc`` would cost a DNS query each.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        resolve: Resolver = socket.getaddrinfo,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         try:
             host, port = split_address(address)
         except ValueError as exc:
             raise ValueError(
                 f"StatsD address must look like 'host:8125': {exc}"
             ) from None
-        self._target = (host, port)
-        self._socket = socket.socket(self._family(host, port), socket.SOCK_DGRAM)
+        self._host, self._port = host, port
+        self._resolve = resolve
+        self._clock = clock
+        found = self._lookup()
+        if found is None:
+            logger.warning(
+                "StatsD host %r not resolved at start; its metrics are dropped until "
+                "it is (tried again every %g s)",
+                host,
+                RETRY_UNRESOLVED,
+            )
+        self._family = _family(found or [])
+        self._socket = socket.socket(self._family, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
+        self._address = _address_of(found or [], self._family)
+        self._resolved_at = clock()
 
-    @staticmethod
-    def _family(host: str, port: int) -> int:
-        """IPv4 whenever the host has an IPv4 address; IPv6 for a host with only IPv6.
-
-        A socket of the wrong family drops every datagram without a word.
-        """
+    def _lookup(self) -> list[Any] | None:
         try:
-            found = {info[0] for info in socket.getaddrinfo(host, port)}
-        except OSError as exc:  # not resolvable now: each send looks it up again
-            logger.warning("StatsD host %r not resolved at start: %s", host, exc)
-            return socket.AF_INET
-        if socket.AF_INET in found or socket.AF_INET6 not in found:
-            return socket.AF_INET
-        return socket.AF_INET6
+            return list(self._resolve(self._host, self._port, 0, socket.SOCK_DGRAM))
+        except OSError as exc:
+            logger.debug("StatsD host %r not resolved: %s", self._host, exc)
+            return None
 
     def close(self) -> None:
         """Release the socket."""
         self._socket.close()
 
     def _send(self, line: str) -> None:
+        now = self._clock()
+        every = RESOLVE_EVERY if self._address is not None else RETRY_UNRESOLVED
+        if now - self._resolved_at >= every:
+            self._resolved_at = now
+            found = _address_of(self._lookup() or [], self._family)
+            if found is not None:  # else keep the last good one
+                self._address = found
+        if self._address is None:
+            return
         with contextlib.suppress(OSError):
-            self._socket.sendto(line.encode(), self._target)
+            self._socket.sendto(line.encode(), self._address)
 
     def count(self, name: str, value: float) -> None:
         """``name:value|c``."""
@@ -101,6 +135,25 @@ class StatsdSink:
     def observe(self, name: str, value: float) -> None:
         """Timers in milliseconds: ``name:ms|ms``."""
         self._send(f"{PREFIX}{name}:{value * 1000:.3f}|ms")
+
+
+def _family(infos: list[Any]) -> int:
+    """IPv4 whenever the host has an IPv4 address; IPv6 for a host with only IPv6.
+
+    A socket of the wrong family drops every datagram without a word.
+    """
+    found = {info[0] for info in infos}
+    if socket.AF_INET6 in found and socket.AF_INET not in found:
+        return socket.AF_INET6
+    return socket.AF_INET
+
+
+def _address_of(infos: list[Any], family: int) -> Any:
+    """The first socket address of ``family`` among ``getaddrinfo``'s answers, or None."""
+    for info in infos:
+        if info[0] == family:
+            return info[4]
+    return None
 
 
 class PrometheusSink:

@@ -255,3 +255,74 @@ def test_statsd_metrics_reach_an_ipv6_address() -> None:
 def test_a_statsd_port_out_of_range_is_refused_when_the_sink_is_built() -> None:
     with pytest.raises(ValueError, match="host:8125"):
         StatsdSink("127.0.0.1:99999")
+
+
+class CountingResolver:
+    """``socket.getaddrinfo`` that counts its calls and can be made to fail."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.failing = False
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.failing:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return socket.getaddrinfo(*args)
+
+
+def datagrams(server: socket.socket) -> list[bytes]:
+    found = []
+    while True:
+        try:
+            found.append(server.recv(1024))
+        except (TimeoutError, BlockingIOError):
+            return found
+
+
+def test_the_statsd_host_is_looked_up_once_a_minute_not_per_datagram() -> None:
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    now = [1000.0]
+    resolver = CountingResolver()
+    try:
+        sink = StatsdSink(
+            f"localhost:{server.getsockname()[1]}",
+            resolve=resolver,
+            clock=lambda: now[0],
+        )
+        for n in range(20):
+            sink.count("published_total", n)
+        assert resolver.calls == 1
+        now[0] += 61
+        sink.gauge("pending", 1)
+        assert resolver.calls == 2
+        sink.close()
+        assert len(datagrams(server)) == 21
+    finally:
+        server.close()
+
+
+def test_statsd_metrics_start_once_an_unknown_host_resolves() -> None:
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    now = [1000.0]
+    resolver = CountingResolver()
+    resolver.failing = True
+    try:
+        sink = StatsdSink(
+            f"localhost:{server.getsockname()[1]}",
+            resolve=resolver,
+            clock=lambda: now[0],
+        )
+        sink.count("published_total", 1)  # dropped: nowhere to send it
+        resolver.failing = False
+        now[0] += 6
+        sink.count("published_total", 2)
+        sink.close()
+        assert datagrams(server) == [b"celery_outbox_published_total:2|c"]
+        assert resolver.calls == 2
+    finally:
+        server.close()
