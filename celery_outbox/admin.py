@@ -104,6 +104,12 @@ class StateFilter(admin.SimpleListFilter):
 class MessageAdminMixin:
     """Read-only display shared by the outbox and dead-letter admins."""
 
+    #: The most rows one action works on: each is loaded and logged, so "select all"
+    #: over a large backlog would hold it all in the web process's memory.
+    action_limit = 10_000
+    #: Where larger selections are handled, named in the refusal.
+    bulk_hint = "narrow the selection with the filters and act on it in parts"
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         """Rows on the outbox alias."""
         from .enqueue import outbox_alias
@@ -172,8 +178,24 @@ def _headers(obj: MessageFields) -> dict[str, Any]:
     return dict(loaded) if isinstance(loaded, dict) else {}
 
 
-def _picked(queryset: QuerySet[Any]) -> dict[int, Any]:
-    """The selected rows by id (without their bodies), for the admin log."""
+def _picked(
+    admin_view: Any, request: HttpRequest, queryset: QuerySet[Any]
+) -> dict[int, Any] | None:
+    """The selected rows by id (without their bodies), for the admin log.
+
+    None, after telling the user why, when there are more than the admin's
+    ``action_limit``: nothing is done then.
+    """
+    count = queryset.count()
+    if count > admin_view.action_limit:
+        admin_view.message_user(
+            request,
+            f"{count:,} rows are selected; an action here works on at most "
+            f"{admin_view.action_limit:,} at a time (each row is loaded and logged). "
+            f"Nothing was done: {admin_view.bulk_hint}.",
+            messages.ERROR,
+        )
+        return None
     return {int(obj.pk): obj for obj in queryset.defer("body")}
 
 
@@ -253,7 +275,9 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
     @admin.action(description="Retry now", permissions=("operate",))
     def retry_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         """Make the selected rows due now (rows a relay holds are skipped)."""
-        picked = _picked(queryset)
+        picked = _picked(self, request, queryset)
+        if picked is None:
+            return
         changed = outbox_store().retry_now(list(picked))
         self._log_changed(request, _of(picked, changed), "Made due now (retry now).")
         skipped = len(picked) - len(changed)
@@ -269,7 +293,9 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
         self, request: HttpRequest, queryset: QuerySet[Any]
     ) -> None:
         """Stop publishing the selected rows: move them to the dead letters."""
-        picked = _picked(queryset)
+        picked = _picked(self, request, queryset)
+        if picked is None:
+            return
         reason = f"moved by {request.user.get_username()} from the admin"
         moved = outbox_store().move_to_dead_letters(list(picked), reason)
         self._log_changed(
@@ -311,6 +337,11 @@ class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type
     )
     readonly_fields = fields
     actions = ("replay", "delete_dead_letters")
+    bulk_hint = (
+        "narrow the selection with the filters, or use `manage.py outbox replay` "
+        "(--task, --since, --until, --all) or `manage.py outbox purge`, which work "
+        "in chunks"
+    )
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
         """Replaying needs the change permission on dead letters."""
@@ -323,7 +354,9 @@ class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type
     @admin.action(description="Replay", permissions=("operate",))
     def replay(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         """Put the selected dead letters back into the outbox, due now."""
-        picked = _picked(queryset)
+        picked = _picked(self, request, queryset)
+        if picked is None:
+            return
         report = outbox_store().replay_dead_letters(DeadLetterFilter(ids=tuple(picked)))
         self._log_changed(
             request,
@@ -341,7 +374,9 @@ class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type
         self, request: HttpRequest, queryset: QuerySet[Any]
     ) -> None:
         """Delete the selected dead letters for good."""
-        picked = _picked(queryset)
+        picked = _picked(self, request, queryset)
+        if picked is None:
+            return
         deleted = outbox_store().delete_dead_letters(list(picked))
         gone = _of(picked, deleted)
         if gone and hasattr(admin.ModelAdmin, "log_deletions"):  # Django >= 5.1

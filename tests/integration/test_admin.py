@@ -217,3 +217,44 @@ def test_dead_letter_actions_replay_and_delete(
     assert "1 dead letter(s) deleted." in page.content.decode()
     assert store.stats().dead == 0
     assert LogEntry.objects.filter(action_flag=DELETION, object_id=str(second)).exists()
+
+
+@pytest.mark.parametrize(
+    ("page", "action", "rows"),
+    [
+        (OUTBOX, "retry_now", "outbox"),
+        (OUTBOX, "move_to_dead_letters", "outbox"),
+        (DEAD, "replay", "dead"),
+        (DEAD, "delete_dead_letters", "dead"),
+    ],
+)
+def test_an_action_on_more_rows_than_the_limit_does_nothing_and_says_why(
+    admin_client: Client,
+    store: OutboxStore,
+    monkeypatch: pytest.MonkeyPatch,
+    page: str,
+    action: str,
+    rows: str,
+) -> None:
+    from celery_outbox.admin import MessageAdminMixin
+
+    monkeypatch.setattr(MessageAdminMixin, "action_limit", 2)
+    add(store, "a", "b", "c")
+    if rows == "dead":
+        kill_all(store)
+    before = (store.stats().pending, store.stats().dead)
+
+    response = admin_client.post(
+        page,
+        # "Select all 3": Django hands the action the whole filtered queryset.
+        {"action": action, "_selected_action": ["0"], "select_across": "1"},
+        follow=True,
+    )
+
+    html = response.content.decode()
+    assert "3 rows are selected; an action here works on at most 2" in html
+    assert "Nothing was done" in html
+    assert (store.stats().pending, store.stats().dead) == before
+    assert not LogEntry.objects.exists()
+    if rows == "dead":
+        assert "manage.py outbox replay" in html
