@@ -42,6 +42,10 @@ CELERY_TASK_DEFAULT_ROUTING_KEY = env.QUEUE
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
+#: The outbox alias is the router's (bench.routing), so that the enqueue part can
+#: switch it between rounds without changing a setting.
+DATABASE_ROUTERS = ["bench.routing.OutboxRouter"]
+
 CELERY_OUTBOX_APP = "bench.celery.app"
 CELERY_OUTBOX_OUTSIDE_TRANSACTION = "raise"
 CELERY_OUTBOX_BATCH_SIZE = 500
