@@ -110,11 +110,8 @@ class OutboxStore(OperatorQueries):
         if not dialect.inline_values(self.connection):
             return None
         now = dialect.now()
-        rows = ", ".join(
-            f"({', '.join(map(literal, _message_values(envelope)))}, 0, '', {now}, {now})"
-            for envelope in envelopes
-        )
-        return dialect.insert(f"{_INSERT_HEAD} VALUES {rows}", notify)
+        rows = ", ".join([_inline_row(envelope, now) for envelope in envelopes])
+        return dialect.insert(f"{_INLINE_HEAD} VALUES {rows}", notify)
 
     def insert_statement(
         self, envelopes: Sequence[Envelope], *, notify: bool
@@ -350,13 +347,123 @@ def _exclusive_file_lock(path: str) -> Iterator[None]:
 _INSERT_HEAD = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
 
 
+#: Columns whose values repeat from row to row (a few shapes per process), then those
+#: that change with every row: the inline INSERT's order, so that the first part of a
+#: row's text is looked up rather than written again (:func:`_inline_row`).
+_REPEATED_COLUMNS = (
+    "task_name",
+    "queue",
+    "exchange",
+    "routing_key",
+    "ordering_key",
+    "payload_version",
+    "content_type",
+    "content_encoding",
+    "declare_queues",
+)
+_PER_ROW_COLUMNS = (
+    "task_id",
+    "body",
+    "headers",
+    "properties",
+    "arguments_preview",
+    "log_context",
+)
+_INLINE_HEAD = (
+    f"INSERT INTO {MESSAGE_TABLE} ("
+    f"{', '.join((*_REPEATED_COLUMNS, *_PER_ROW_COLUMNS, *INSERT_COLUMNS[-4:]))})"
+)
+#: The literal text of the repeated columns, by their values; and the values whose
+#: text columns :func:`_check_fits` has passed. Cleared when a process keeps making
+#: new ones (shapes computed per call).
+_REPEATED_TEXT: dict[tuple[Any, ...], str] = {}
+_FITTING: set[tuple[Any, ...]] = set()
+_REPEATED_MAX = 512
+#: ``log_context`` of a message that has none.
+_EMPTY_LOG_CONTEXT_LITERAL = literal(dump_log_context({}))
+
+
+def _inline_row(envelope: Envelope, now: str) -> str:
+    """One row of the inline INSERT, in :data:`_INLINE_HEAD`'s column order."""
+    key = (
+        envelope.task_name,
+        envelope.queue,
+        envelope.exchange,
+        envelope.routing_key,
+        envelope.ordering_key,
+        envelope.content_type,
+        envelope.content_encoding,
+        tuple(envelope.declare),  # hashable whatever sequence it is
+    )
+    repeated = _REPEATED_TEXT.get(key)
+    if repeated is None:
+        repeated = ", ".join(
+            map(
+                literal,
+                (
+                    envelope.task_name,
+                    envelope.queue,
+                    envelope.exchange,
+                    envelope.routing_key,
+                    envelope.ordering_key,
+                    PAYLOAD_VERSION,
+                    envelope.content_type,
+                    envelope.content_encoding,
+                    dump_json(list(envelope.declare)),
+                ),
+            )
+        )
+        if len(_REPEATED_TEXT) >= _REPEATED_MAX:
+            _REPEATED_TEXT.clear()
+        _REPEATED_TEXT[key] = repeated
+    headers, properties = envelope.headers, envelope.properties
+    log_context = envelope.log_context
+    return (
+        f"({repeated}, {literal(envelope.task_id)}, {literal(envelope.body)}, "
+        f"{literal(headers.text if type(headers) is JsonObject else json_text(headers))}, "
+        f"{literal(properties.text if type(properties) is JsonObject else json_text(properties))}, "
+        f"{literal(envelope.arguments_preview)}, "
+        f"{literal(dump_log_context(log_context)) if log_context else _EMPTY_LOG_CONTEXT_LITERAL}"
+        f", 0, '', {now}, {now})"
+    )
+
+
 #: The text columns a caller's values reach unescaped, and their widths (None: any).
 _TEXT_LIMITS: dict[str, int | None] = {**COLUMN_LIMITS, "arguments_preview": None}
+#: Those that change with every row; the others repeat (see :data:`_FITTING`).
+_PER_ROW_LIMITS = {
+    column: limit
+    for column, limit in _TEXT_LIMITS.items()
+    if column in _PER_ROW_COLUMNS
+}
 
 
 def _check_fits(envelope: Envelope) -> None:
-    """Refuse, at the call, a value its column would truncate or reject at the INSERT."""
-    for column, limit in _TEXT_LIMITS.items():
+    """Refuse, at the call, a value its column would truncate or reject at the INSERT.
+
+    The repeated columns are checked once per set of values, the others every time.
+    """
+    key = (
+        envelope.task_name,
+        envelope.queue,
+        envelope.exchange,
+        envelope.routing_key,
+        envelope.ordering_key,
+        envelope.content_type,
+        envelope.content_encoding,
+        tuple(envelope.declare),  # hashable whatever sequence it is
+    )
+    if key in _FITTING:
+        _check_columns(envelope, _PER_ROW_LIMITS)
+        return
+    _check_columns(envelope, _TEXT_LIMITS)
+    if len(_FITTING) >= _REPEATED_MAX:
+        _FITTING.clear()
+    _FITTING.add(key)
+
+
+def _check_columns(envelope: Envelope, limits: Mapping[str, int | None]) -> None:
+    for column, limit in limits.items():
         value = getattr(envelope, column)
         if value is None:
             continue
