@@ -10,7 +10,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from celery import Celery, Task
-from celery._state import get_current_task
 from django.db import connections
 from django.utils.module_loading import import_string
 
@@ -35,6 +34,7 @@ from .fastpath import (
     new_task_id,
     publish_watched,
     task_id_of,
+    task_running,
 )
 
 #: Where a task keeps its :class:`PlainCall` per thread.
@@ -170,7 +170,7 @@ class OutboxCelery(Celery):
             or plain.settings is not get_settings()
             or task.ignore_result is not plain.ignore_result
             or publish_watched()
-            or get_current_task() is not None  # inside a task: lineage, maybe direct
+            or task_running()  # inside a task: lineage, maybe direct
         ):
             return None
         soft, hard = task.soft_time_limit, task.time_limit

@@ -351,6 +351,11 @@ def preview(headers: Mapping[str, Any]) -> str:
     kwargs = headers.get("kwargsrepr")
     if args is None and kwargs is None:
         return ""
+    return preview_of(args, kwargs)
+
+
+def preview_of(args: Any, kwargs: Any) -> str:
+    """The ``arguments_preview`` column of a message with these ``argsrepr``/``kwargsrepr``."""
     text = f"args={args} kwargs={kwargs}"
     if not text.isascii():
         # Celery's repr keeps a lone surrogate (a file name that is not UTF-8, say);
@@ -373,7 +378,12 @@ class Enqueuer:
         """Insert messages on the outbox alias, in the caller's transaction, in one INSERT."""
         settings = get_settings()
         alias = outbox_alias(settings)
-        for name in dict.fromkeys(e.task_name for e in envelopes):
+        names = (
+            (envelopes[0].task_name,)
+            if len(envelopes) == 1
+            else dict.fromkeys(e.task_name for e in envelopes)
+        )
+        for name in names:
             self.guard.check(alias, name, settings.outside_transaction)
         # The store coalesces the hints of a burst of commits.
         OutboxStore(alias).insert(envelopes, notify=settings.notify)

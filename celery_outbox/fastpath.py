@@ -45,14 +45,15 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from celery import signals
+from celery._state import _task_stack, get_current_task  # type: ignore[attr-defined]
 from celery.app.routes import MapRoute
 from celery.utils.saferepr import saferepr
 from kombu.compression import compress
 
 from .conf import OutboxSettings
 from .contrib.logcontext import capture_log_context
-from .enqueue import OTEL_TRACE_MODULE, preview, serialize
-from .envelope import Envelope, JsonObject, JsonTemplate, json_text
+from .enqueue import OTEL_TRACE_MODULE, preview_of, serialize
+from .envelope import EMPTY_LOG_CONTEXT, Envelope, JsonObject, JsonTemplate, json_text
 
 logger = logging.getLogger("celery_outbox")
 
@@ -206,9 +207,13 @@ class Template:
         for key in self.containers:
             headers[key] = headers[key].copy()
         headers["id"] = headers["root_id"] = task_id
-        headers["argsrepr"] = arguments_repr(args, self.argsrepr_limit, self.maxlevels)
-        headers["kwargsrepr"] = arguments_repr(
-            kwargs, self.kwargsrepr_limit, self.maxlevels
+        headers["argsrepr"] = args_text = arguments_repr(
+            args, self.argsrepr_limit, self.maxlevels
+        )
+        headers["kwargsrepr"] = kwargs_text = (
+            "{}"  # what arguments_repr says of it, without the call
+            if not kwargs and type(kwargs) is dict
+            else arguments_repr(kwargs, self.kwargsrepr_limit, self.maxlevels)
         )
         properties = dict(self.properties)
         properties["correlation_id"] = task_id
@@ -230,8 +235,10 @@ class Template:
             properties=JsonObject(self.properties_json.fill(properties), properties),
             declare=self.declare,
             queue=self.queue,
-            arguments_preview=preview(headers),
-            log_context=capture_log_context(settings),
+            arguments_preview=preview_of(args_text, kwargs_text),
+            log_context=capture_log_context(settings)
+            if settings.log_context
+            else EMPTY_LOG_CONTEXT,
         )
 
 
@@ -461,6 +468,33 @@ def new_task_id() -> str:
     value = int.from_bytes(os.urandom(16), "big") & _UUID4_MASK | _UUID4_BITS
     text = f"{value:032x}"
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+def _task_stacks() -> tuple[dict[Any, Any], Any] | None:
+    """Celery's per-thread task stacks and the local that keys them, if they are as known.
+
+    ``celery._state._task_stack`` keeps one entry per thread (or greenlet) while a
+    task runs in it and drops the entry when the stack empties. Looking the entry up
+    costs a twentieth of ``get_current_task()``, which raises and catches an
+    ``AttributeError`` whenever no task runs. None if a Celery release stores them
+    otherwise: then :func:`task_running` asks Celery.
+    """
+    local = getattr(_task_stack, "_local", None)
+    storage = getattr(local, "__storage__", None)
+    if isinstance(storage, dict) and callable(getattr(local, "__ident_func__", None)):
+        return storage, local
+    return None
+
+
+_STACKS = _task_stacks()
+
+
+def task_running() -> bool:
+    """Whether a task is on this thread's stack (a worker's, or ``apply()``'s)."""
+    if _STACKS is None:
+        return get_current_task() is not None
+    storage, local = _STACKS
+    return storage.get(local.__ident_func__()) is not None
 
 
 def current_process() -> object:

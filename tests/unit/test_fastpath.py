@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import decimal
 import enum
+import threading
 import uuid
 from typing import Any
 
@@ -158,3 +159,36 @@ def test_values_kombu_encodes_stay_as_kombu_wrote_them() -> None:
     call = dict(example, id="b")
     assert template.fill(call) == dump_json(call)
     assert '"__type__"' in template.fill(call)
+
+
+def test_task_running_follows_celerys_task_stack() -> None:
+    from celery import Celery
+    from celery._state import _task_stack
+
+    from celery_outbox.fastpath import task_running
+
+    app = Celery("probe", set_as_current=False)
+
+    @app.task(shared=False)
+    def probe() -> None:
+        return None
+
+    assert task_running() is False
+    _task_stack.push(probe)
+    try:
+        assert task_running() is True
+        _task_stack.push(probe)
+        _task_stack.pop()
+        assert task_running() is True  # still one on the stack
+    finally:
+        _task_stack.pop()
+    assert task_running() is False
+    seen: list[bool] = []
+    thread = threading.Thread(target=lambda: seen.append(task_running()))
+    _task_stack.push(probe)
+    try:
+        thread.start()
+        thread.join(10)
+    finally:
+        _task_stack.pop()
+    assert seen == [False]  # another thread's stack is its own
