@@ -46,7 +46,6 @@ class WriteOnCommitMixin(_Wrapper):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outbox_held_rows = HeldRows()
-        self._outbox_cursor: Any = None
         # First in the list, so it runs before any wrapper the application adds.
         self.execute_wrappers.insert(0, self._write_held_rows_first)
 
@@ -93,6 +92,8 @@ class WriteOnCommitMixin(_Wrapper):
             self.write_held_rows()
             super()._commit()  # type: ignore[misc]
             return
+        from psycopg import ClientCursor  # psycopg 3 only, which is_psycopg3 checked
+
         envelopes, notify = self.outbox_held_rows.take()
         # Decided now, not when the rows were enqueued: a hint another transaction
         # committed since then (or one that rolled back) is what counts.
@@ -100,13 +101,7 @@ class WriteOnCommitMixin(_Wrapper):
         store = OutboxStore(self.alias)
         try:
             text = store.insert_text(envelopes, notify=notify)
-            cursor = self._outbox_cursor
-            if cursor is None or cursor.connection is not self.connection:
-                from psycopg import ClientCursor  # psycopg 3, as is_psycopg3 said
-
-                # One per driver connection, kept: it holds nothing between commits.
-                cursor = self._outbox_cursor = ClientCursor(self.connection)
-            with self.wrap_database_errors:
+            with self.wrap_database_errors, ClientCursor(self.connection) as cursor:
                 if text is None:
                     text = cursor.mogrify(
                         *store.insert_statement(envelopes, notify=notify)
@@ -143,5 +138,4 @@ class WriteOnCommitMixin(_Wrapper):
 
     def close(self) -> None:
         self.outbox_held_rows.clear()
-        self._outbox_cursor = None
         super().close()

@@ -267,17 +267,3 @@ def test_thousands_of_held_rows_fit_under_server_side_binding() -> None:
     finally:
         connection.close()
         del options["server_side_binding"]
-
-
-def test_commits_after_the_connection_was_replaced_still_write_their_rows() -> None:
-    # The engine keeps one cursor per driver connection between commits: a new
-    # connection (closed and reopened, or lost and reconnected) must get its own.
-    connection = connections[ALIAS]
-    for round_number in range(3):
-        for n in range(2):
-            with transaction.atomic(using=ALIAS):
-                Order.objects.using(ALIAS).create(number=f"{round_number}-{n}")
-                add.delay(round_number, n)
-        connection.close()
-    assert len(task_ids()) == 6
-    assert Order.objects.using(ALIAS).count() == 6
