@@ -29,6 +29,7 @@ from celery_outbox.exceptions import OutboxSerializationError, OutboxValueError
 from celery_outbox.models import OutboxMessage
 from celery_outbox.signals import message_created
 from celery_outbox.store import OutboxStore
+from celery_outbox.task import OutboxTask
 from tests.project.shop.models import Order
 
 from ..conftest import BROKER_AMQP
@@ -39,13 +40,18 @@ pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 
 class CountingCelery(OutboxCelery):
-    """Counts the calls that went through Celery's ``apply_async`` (it ends in send_task)."""
+    """Counts the plain calls that went through Celery's ``apply_async``.
+
+    The task class hands each such call to ``_learn_plain`` afterwards; the plain calls
+    that skip Celery never get there. (Overriding ``send_task`` would count them too,
+    but an app that does so sends every call through Celery.)
+    """
 
     through_celery = 0
 
-    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+    def _learn_plain(self, task: Any, result: Any) -> None:
         self.through_celery += 1
-        return super().send_task(name, *args, **options)
+        super()._learn_plain(task, result)
 
 
 @pytest.fixture
@@ -425,7 +431,7 @@ def test_plain_calls_skip_celery_once_one_was_built_from_a_template(
             "content": (by_celery.content_type, by_celery.content_encoding),
         } == fast
         transaction.set_rollback(True)
-    assert app.through_celery == 2
+    assert app.through_celery == 1  # the reference call was not a plain one
 
 
 def test_a_plain_call_returns_the_result_celery_would(app: CountingCelery) -> None:
@@ -548,11 +554,11 @@ def test_a_task_of_another_base_class_still_goes_through_the_outbox(
     def elsewhere(number: int) -> int:
         return number
 
+    assert not isinstance(elsewhere, OutboxTask)
     ids = []
     for n in range(3):
         with transaction.atomic():
             ids.append(str(elsewhere.delay(n).id))
-    assert app.through_celery == 3
     assert OutboxMessage.objects.filter(task_id__in=ids).count() == 3
 
 
@@ -563,3 +569,56 @@ def test_the_task_class_keeps_djangos_on_commit_helpers(app: CountingCelery) -> 
         work.delay_on_commit(1)
         assert OutboxMessage.objects.count() == 0  # not before the commit
     assert OutboxMessage.objects.count() == 1
+
+
+class TenantCelery(OutboxCelery):
+    """An app whose ``send_task`` picks each call's queue (from the caller's state)."""
+
+    tenant = "a"
+
+    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+        options["queue"] = f"tenant-{self.tenant}"
+        return super().send_task(name, *args, **options)
+
+
+def test_an_app_that_overrides_send_task_sees_every_plain_call() -> None:
+    app = TenantCelery("tenant", set_as_current=False)
+    app.conf.update(broker_url=BROKER_AMQP, result_backend=None)
+
+    @app.task(name="tenant.work", shared=False)
+    def work(number: int) -> None:
+        return None
+
+    try:
+        queues = []
+        for tenant in ("a", "a", "b", "b"):
+            app.tenant = tenant
+            with transaction.atomic():
+                task_id = work.delay(1).id
+            queues.append(row(task_id).queue)
+    finally:
+        app.close()
+        outbox_app_module._instances.discard(app)
+    assert queues == ["tenant-a", "tenant-a", "tenant-b", "tenant-b"]
+
+
+def test_a_send_task_replaced_on_the_app_sees_every_plain_call(
+    app: CountingCelery,
+) -> None:
+    plain(app, 1)
+    plain(app, 2)
+    seen: list[str] = []
+    original = app.send_task
+
+    def watching(name: str, *args: Any, **options: Any) -> Any:
+        seen.append(name)
+        return original(name, *args, **options)
+
+    app.send_task = watching  # type: ignore[method-assign]
+    try:
+        plain(app, 3)
+    finally:
+        del app.send_task
+    assert seen == ["fast.work"]
+    plain(app, 4)
+    assert app.through_celery == 2  # 1 (the first call), 3 (watched); 4 skipped again
