@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -68,6 +69,8 @@ class StatsdSink:
     The host name is resolved when the sink is built and again every
     :data:`RESOLVE_EVERY` seconds, never per datagram: a relay sends several per
     batch, and a name such as ``statsd.monitoring.svc`` would cost a DNS query each.
+    The later lookups run on a thread of their own, so a slow DNS server never holds
+    up the relay; datagrams go to the last good address meanwhile.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class StatsdSink:
         self._socket.setblocking(False)
         self._address = _address_of(found or [], self._family)
         self._resolved_at = clock()
+        self._refreshing: threading.Thread | None = None
 
     def _lookup(self) -> list[Any] | None:
         try:
@@ -111,18 +115,33 @@ class StatsdSink:
         """Release the socket."""
         self._socket.close()
 
+    def _refresh(self) -> None:
+        found = _address_of(self._lookup() or [], self._family)
+        if found is not None:  # else keep the last good one
+            self._address = found
+
+    def refreshed(self, timeout: float) -> bool:
+        """Wait for a lookup under way, if any; whether none is left running."""
+        refreshing = self._refreshing
+        if refreshing is not None:
+            refreshing.join(timeout)
+            return not refreshing.is_alive()
+        return True
+
     def _send(self, line: str) -> None:
         now = self._clock()
         every = RESOLVE_EVERY if self._address is not None else RETRY_UNRESOLVED
-        if now - self._resolved_at >= every:
+        if now - self._resolved_at >= every and self.refreshed(0):
             self._resolved_at = now
-            found = _address_of(self._lookup() or [], self._family)
-            if found is not None:  # else keep the last good one
-                self._address = found
-        if self._address is None:
+            self._refreshing = threading.Thread(
+                target=self._refresh, name="celery-outbox-statsd-dns", daemon=True
+            )
+            self._refreshing.start()
+        address = self._address
+        if address is None:
             return
         with contextlib.suppress(OSError):
-            self._socket.sendto(line.encode(), self._address)
+            self._socket.sendto(line.encode(), address)
 
     def count(self, name: str, value: float) -> None:
         """``name:value|c``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -297,6 +298,7 @@ def test_the_statsd_host_is_looked_up_once_a_minute_not_per_datagram() -> None:
         assert resolver.calls == 1
         now[0] += 61
         sink.gauge("pending", 1)
+        assert sink.refreshed(5.0)
         assert resolver.calls == 2
         sink.close()
         assert len(datagrams(server)) == 21
@@ -320,9 +322,45 @@ def test_statsd_metrics_start_once_an_unknown_host_resolves() -> None:
         sink.count("published_total", 1)  # dropped: nowhere to send it
         resolver.failing = False
         now[0] += 6
-        sink.count("published_total", 2)
+        sink.count("published_total", 2)  # starts the lookup on its thread
+        assert sink.refreshed(5.0)
+        sink.count("published_total", 3)
         sink.close()
-        assert datagrams(server) == [b"celery_outbox_published_total:2|c"]
+        received = datagrams(server)
+        assert b"celery_outbox_published_total:3|c" in received
+        assert b"celery_outbox_published_total:1|c" not in received
         assert resolver.calls == 2
     finally:
+        server.close()
+
+
+def test_a_slow_statsd_lookup_never_holds_up_the_relay() -> None:
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    now = [1000.0]
+    release = threading.Event()
+
+    def resolve(*args: Any) -> Any:
+        if now[0] > 1000.0:
+            release.wait(10)  # a DNS server that takes its time
+        return socket.getaddrinfo(*args)
+
+    try:
+        sink = StatsdSink(
+            f"localhost:{server.getsockname()[1]}",
+            resolve=resolve,
+            clock=lambda: now[0],
+        )
+        now[0] += 61
+        for n in range(5):
+            sink.count("published_total", n)
+        # Every datagram went out while the lookup still waits for its answer.
+        assert not sink.refreshed(0)
+        release.set()
+        assert sink.refreshed(5.0)
+        sink.close()
+        assert len(datagrams(server)) == 5  # to the last good address meanwhile
+    finally:
+        release.set()
         server.close()
