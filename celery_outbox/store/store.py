@@ -347,28 +347,17 @@ def _exclusive_file_lock(path: str) -> Iterator[None]:
 _INSERT_HEAD = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
 
 
-#: Columns whose values repeat from row to row (a few shapes per process), then those
-#: that change with every row: the inline INSERT's order, so that the first part of a
-#: row's text is looked up rather than written again (:func:`_inline_row`).
-_REPEATED_COLUMNS = (
-    "task_name",
-    "queue",
-    "exchange",
-    "routing_key",
-    "ordering_key",
-    "payload_version",
-    "content_type",
-    "content_encoding",
-    "declare_queues",
+#: The columns whose values change with every row, and those whose values repeat
+#: from row to row (a few shapes per process). The inline INSERT lists the repeated
+#: ones first, so that the first part of a row's text is looked up rather than
+#: written again (:func:`_inline_row`).
+_PER_ROW_COLUMNS = tuple(
+    column
+    for column in MESSAGE_COLUMNS
+    if column
+    in {"task_id", "body", "headers", "properties", "arguments_preview", "log_context"}
 )
-_PER_ROW_COLUMNS = (
-    "task_id",
-    "body",
-    "headers",
-    "properties",
-    "arguments_preview",
-    "log_context",
-)
+_REPEATED_COLUMNS = tuple(c for c in MESSAGE_COLUMNS if c not in _PER_ROW_COLUMNS)
 _INLINE_HEAD = (
     f"INSERT INTO {MESSAGE_TABLE} ("
     f"{', '.join((*_REPEATED_COLUMNS, *_PER_ROW_COLUMNS, *INSERT_COLUMNS[-4:]))})"
@@ -383,9 +372,9 @@ _REPEATED_MAX = 512
 _EMPTY_LOG_CONTEXT_LITERAL = literal(dump_log_context({}))
 
 
-def _inline_row(envelope: Envelope, now: str) -> str:
-    """One row of the inline INSERT, in :data:`_INLINE_HEAD`'s column order."""
-    key = (
+def _repeated_key(envelope: Envelope) -> tuple[Any, ...]:
+    """The values of the repeated columns (the declared queues as they are stored)."""
+    return (
         envelope.task_name,
         envelope.queue,
         envelope.exchange,
@@ -395,24 +384,16 @@ def _inline_row(envelope: Envelope, now: str) -> str:
         envelope.content_encoding,
         tuple(envelope.declare),  # hashable whatever sequence it is
     )
+
+
+def _inline_row(envelope: Envelope, now: str) -> str:
+    """One row of the inline INSERT, in :data:`_INLINE_HEAD`'s column order."""
+    key = _repeated_key(envelope)
     repeated = _REPEATED_TEXT.get(key)
     if repeated is None:
-        repeated = ", ".join(
-            map(
-                literal,
-                (
-                    envelope.task_name,
-                    envelope.queue,
-                    envelope.exchange,
-                    envelope.routing_key,
-                    envelope.ordering_key,
-                    PAYLOAD_VERSION,
-                    envelope.content_type,
-                    envelope.content_encoding,
-                    dump_json(list(envelope.declare)),
-                ),
-            )
-        )
+        # A set of values seen for the first time: the whole row's values, once.
+        values = dict(zip(MESSAGE_COLUMNS, _message_values(envelope), strict=True))
+        repeated = ", ".join([literal(values[column]) for column in _REPEATED_COLUMNS])
         if len(_REPEATED_TEXT) >= _REPEATED_MAX:
             _REPEATED_TEXT.clear()
         _REPEATED_TEXT[key] = repeated
@@ -443,16 +424,7 @@ def _check_fits(envelope: Envelope) -> None:
 
     The repeated columns are checked once per set of values, the others every time.
     """
-    key = (
-        envelope.task_name,
-        envelope.queue,
-        envelope.exchange,
-        envelope.routing_key,
-        envelope.ordering_key,
-        envelope.content_type,
-        envelope.content_encoding,
-        tuple(envelope.declare),  # hashable whatever sequence it is
-    )
+    key = _repeated_key(envelope)
     if key in _FITTING:
         _check_columns(envelope, _PER_ROW_LIMITS)
         return

@@ -281,63 +281,63 @@ def datagrams(server: socket.socket) -> list[bytes]:
             return found
 
 
-def test_the_statsd_host_is_looked_up_once_a_minute_not_per_datagram() -> None:
+@pytest.fixture
+def udp_server() -> Iterator[socket.socket]:
+    """A StatsD server stand-in on loopback: a bound UDP socket to read datagrams from."""
     server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     server.bind(("127.0.0.1", 0))
     server.settimeout(0.5)
+    yield server
+    server.close()
+
+
+def sink_for(server: socket.socket, resolve: Any, now: list[float]) -> StatsdSink:
+    """A sink sending to ``server`` by host name, with its lookups and clock given."""
+    return StatsdSink(
+        f"localhost:{server.getsockname()[1]}", resolve=resolve, clock=lambda: now[0]
+    )
+
+
+def test_the_statsd_host_is_looked_up_once_a_minute_not_per_datagram(
+    udp_server: socket.socket,
+) -> None:
     now = [1000.0]
     resolver = CountingResolver()
-    try:
-        sink = StatsdSink(
-            f"localhost:{server.getsockname()[1]}",
-            resolve=resolver,
-            clock=lambda: now[0],
-        )
-        for n in range(20):
-            sink.count("published_total", n)
-        assert resolver.calls == 1
-        now[0] += 61
-        sink.gauge("pending", 1)
-        assert sink.refreshed(5.0)
-        assert resolver.calls == 2
-        sink.close()
-        assert len(datagrams(server)) == 21
-    finally:
-        server.close()
+    sink = sink_for(udp_server, resolver, now)
+    for n in range(20):
+        sink.count("published_total", n)
+    assert resolver.calls == 1
+    now[0] += 61
+    sink.gauge("pending", 1)
+    assert sink.refreshed(5.0)
+    assert resolver.calls == 2
+    sink.close()
+    assert len(datagrams(udp_server)) == 21
 
 
-def test_statsd_metrics_start_once_an_unknown_host_resolves() -> None:
-    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    server.bind(("127.0.0.1", 0))
-    server.settimeout(0.5)
+def test_statsd_metrics_start_once_an_unknown_host_resolves(
+    udp_server: socket.socket,
+) -> None:
     now = [1000.0]
     resolver = CountingResolver()
     resolver.failing = True
-    try:
-        sink = StatsdSink(
-            f"localhost:{server.getsockname()[1]}",
-            resolve=resolver,
-            clock=lambda: now[0],
-        )
-        sink.count("published_total", 1)  # dropped: nowhere to send it
-        resolver.failing = False
-        now[0] += 6
-        sink.count("published_total", 2)  # starts the lookup on its thread
-        assert sink.refreshed(5.0)
-        sink.count("published_total", 3)
-        sink.close()
-        received = datagrams(server)
-        assert b"celery_outbox_published_total:3|c" in received
-        assert b"celery_outbox_published_total:1|c" not in received
-        assert resolver.calls == 2
-    finally:
-        server.close()
+    sink = sink_for(udp_server, resolver, now)
+    sink.count("published_total", 1)  # dropped: nowhere to send it
+    resolver.failing = False
+    now[0] += 6
+    sink.count("published_total", 2)  # starts the lookup on its thread
+    assert sink.refreshed(5.0)
+    sink.count("published_total", 3)
+    sink.close()
+    received = datagrams(udp_server)
+    assert b"celery_outbox_published_total:3|c" in received
+    assert b"celery_outbox_published_total:1|c" not in received
+    assert resolver.calls == 2
 
 
-def test_a_slow_statsd_lookup_never_holds_up_the_relay() -> None:
-    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    server.bind(("127.0.0.1", 0))
-    server.settimeout(0.5)
+def test_a_slow_statsd_lookup_never_holds_up_the_relay(
+    udp_server: socket.socket,
+) -> None:
     now = [1000.0]
     release = threading.Event()
 
@@ -347,11 +347,7 @@ def test_a_slow_statsd_lookup_never_holds_up_the_relay() -> None:
         return socket.getaddrinfo(*args)
 
     try:
-        sink = StatsdSink(
-            f"localhost:{server.getsockname()[1]}",
-            resolve=resolve,
-            clock=lambda: now[0],
-        )
+        sink = sink_for(udp_server, resolve, now)
         now[0] += 61
         for n in range(5):
             sink.count("published_total", n)
@@ -360,7 +356,6 @@ def test_a_slow_statsd_lookup_never_holds_up_the_relay() -> None:
         release.set()
         assert sink.refreshed(5.0)
         sink.close()
-        assert len(datagrams(server)) == 5  # to the last good address meanwhile
     finally:
         release.set()
-        server.close()
+    assert len(datagrams(udp_server)) == 5  # to the last good address meanwhile

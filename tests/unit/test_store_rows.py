@@ -22,6 +22,7 @@ from celery_outbox.store.store import (
     _message_values,
     _stored_message,
 )
+from tests.integration.builders import envelope
 
 ROW: dict[str, Any] = {
     "id": 41,
@@ -126,14 +127,13 @@ def inline_values(
 def test_the_inline_row_writes_every_message_column_in_the_heads_order() -> None:
     head_columns = _INLINE_HEAD.split("(", 1)[1].rstrip(")").split(", ")
     assert sorted(head_columns) == sorted(INSERT_COLUMNS)
-    first = Envelope(
+    first = envelope(
+        "first",
         task_id="id-1",
         task_name="shop.it's",
         exchange="ex",
         routing_key="rk",
         body=b"[[1], {}, {}]",
-        content_type="application/json",
-        content_encoding="utf-8",
         headers=JsonObject('{"id": "id-1"}'),
         properties={"priority": 5},
         declare=("q1",),
@@ -155,18 +155,7 @@ def test_the_inline_row_writes_every_message_column_in_the_heads_order() -> None
 
 
 def test_a_repeated_value_is_checked_once_and_a_per_row_value_every_time() -> None:
-    good = Envelope(
-        task_id="fine",
-        task_name="shop.check",
-        exchange="",
-        routing_key="q",
-        body=b"[]",
-        content_type="application/json",
-        content_encoding="utf-8",
-        headers={},
-        properties={},
-        arguments_preview="ok",
-    )
+    good = envelope("fine", task_id="fine")
     _check_fits(good)
     _check_fits(good)
     with pytest.raises(OutboxValueError, match="task_id contains a NUL"):
