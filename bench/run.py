@@ -368,10 +368,14 @@ def outbox_row_text(envelope: Any) -> str:
     """The INSERT the write-on-commit engine sends for ``envelope``, as text."""
     from celery_outbox.store import OutboxStore
 
-    text = OutboxStore("commit").insert_text([envelope], notify=False)
-    if text is None:
-        raise BenchError("could not capture the engine's INSERT of one outbox row")
-    return text
+    from django.db import connections
+    from psycopg import ClientCursor
+
+    statement = OutboxStore("commit").insert_statement([envelope], notify=False)
+    connection = connections["commit"]
+    connection.ensure_connection()
+    with ClientCursor(connection.connection) as cursor:
+        return cursor.mogrify(*statement)
 
 
 class Floor:

@@ -63,8 +63,6 @@ class OutboxSettings:
     log_context: bool = True
     #: Which context variables to capture; None captures all of them.
     log_context_keys: tuple[str, ...] | None = None
-    #: Repeated ``delay()`` calls of one shape reuse the message Celery built for the first.
-    fast_enqueue: bool = True
 
 
 _FIELDS = {
@@ -90,7 +88,12 @@ _FIELDS = {
     "REDACTOR": "redactor",
     "LOG_CONTEXT": "log_context",
     "LOG_CONTEXT_KEYS": "log_context_keys",
-    "FAST_ENQUEUE": "fast_enqueue",
+}
+
+#: Settings that earlier versions read and this one ignores, with what to do instead.
+#: Django's system checks (``manage.py check``) warn about each one that is set.
+REMOVED = {
+    "FAST_ENQUEUE": "every call is now built by Celery itself (0.2.0); delete the setting",
 }
 
 
@@ -193,7 +196,8 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
         if hasattr(source, PREFIX + name)
     }
     for key in dir(source):
-        if key.startswith(PREFIX) and key[len(PREFIX) :] not in _FIELDS:
+        name = key[len(PREFIX) :]
+        if key.startswith(PREFIX) and name not in _FIELDS and name not in REMOVED:
             known = ", ".join(PREFIX + n for n in _FIELDS)
             raise OutboxConfigurationError(
                 f"Unknown setting {key}. Known settings: {known}."
@@ -234,7 +238,6 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
             "publish_on_commit",
             "prefetch",
             "log_context",
-            "fast_enqueue",
         }:
             if not isinstance(value, bool):
                 raise OutboxConfigurationError(

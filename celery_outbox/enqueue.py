@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-import json
 import logging
 import sys
 import threading
@@ -21,12 +20,10 @@ from typing import Any
 
 from django.db import connections, router
 from kombu import Exchange, Queue
-from kombu import serialization as kombu_serialization
 from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
-from kombu.utils import json as kombu_json
 
 from .broker.amqpcodec import amqp_problem
 from .conf import OutboxSettings, OutsideTransaction, get_settings
@@ -176,8 +173,6 @@ class CapturingProducer:
         #: "task-sent" event at call time would announce a publish that has not happened.
         self._event_exchange = event_exchange
         self.amqp = amqp
-        #: The last message recorded (the short path learns its templates from it).
-        self.last: Envelope | None = None
 
     def flush(self) -> None:
         """Write what a buffered producer collected, in one INSERT."""
@@ -246,7 +241,7 @@ class CapturingProducer:
         queues = tuple(
             entity.name for entity in declare or () if isinstance(entity, Queue)
         )
-        envelope = self.last = Envelope(
+        envelope = Envelope(
             task_id=str(headers.get("id", "")),
             task_name=task_name,
             exchange=exchange_name,
@@ -287,15 +282,7 @@ def _exchange_details(exchange: str | Exchange | None) -> tuple[str, Any]:
 
 
 def serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, bytes]:
-    if serializer == "json" and _stock_json():
-        try:
-            # kombu's encoder differs from the standard one only for values the
-            # standard one refuses: the same text, from the cached C encoder.
-            text = json.dumps(body)
-        except (TypeError, ValueError, RecursionError):
-            pass  # a date, UUID, Decimal... or a mistake: kombu's encoder, or its error
-        else:
-            return "application/json", "utf-8", text.encode()
+    """The body as kombu's serializer registry encodes it, or a clear refusal."""
     try:
         content_type, content_encoding, payload = dumps(body, serializer=serializer)
     except (EncodeError, TypeError, ValueError) as exc:
@@ -312,18 +299,6 @@ def serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, byt
         else payload
     )
     return str(content_type), str(content_encoding), bytes(data)
-
-
-def _stock_json() -> bool:
-    """Whether kombu's ``json`` serializer is its own, not one an application registered."""
-    # kombu keeps no public view of its table of encoders (nor do the stubs know it).
-    codec = kombu_serialization.registry._encoders.get("json")  # type: ignore[attr-defined]
-    return (
-        codec is not None
-        and codec.encoder is kombu_json.dumps
-        and codec.content_type == "application/json"
-        and codec.content_encoding == "utf-8"
-    )
 
 
 def _find_unencodable(body: Any, serializer: str) -> str:

@@ -8,9 +8,8 @@ rebuilding anything.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii
 from types import MappingProxyType
 from typing import Any
 
@@ -134,60 +133,6 @@ class JsonObject(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"JsonObject({self._text!r})"
-
-
-class JsonTemplate:
-    """The JSON text of an object whose values at some keys change from use to use.
-
-    Made once from an example object; :meth:`fill` writes the text of another object
-    that differs from it only in those values (all strings) by joining the example's
-    fixed pieces with the new values, each encoded as :func:`dump_json` would.
-    """
-
-    __slots__ = ("_keys", "_pieces")
-
-    def __init__(self, pieces: Sequence[str], keys: Sequence[str]) -> None:
-        self._pieces = tuple(pieces)
-        self._keys = tuple(keys)
-
-    @classmethod
-    def of(cls, example: Mapping[str, Any], keys: Sequence[str]) -> JsonTemplate | None:
-        """The template of ``example`` open at ``keys``; None if they are not strings."""
-        marked = dict(example)
-        markers: dict[str, str] = {}
-        for key in keys:
-            if type(marked.get(key)) is not str:
-                return None
-            # A NUL never survives into stored JSON unescaped: this text is unique.
-            marked[key] = markers[key] = f"\x00celery-outbox:{key}\x00"
-        text = dump_json(marked)
-        found = sorted(
-            (text.find(_encode_string(marker)), key) for key, marker in markers.items()
-        )
-        pieces: list[str] = []
-        start = 0
-        for position, key in found:
-            encoded = _encode_string(markers[key])
-            if position < start or text.count(encoded) != 1:
-                return None
-            pieces.append(text[start:position])
-            start = position + len(encoded)
-        pieces.append(text[start:])
-        template = cls(pieces, [key for _, key in found])
-        return template if template.fill(example) == dump_json(dict(example)) else None
-
-    def fill(self, values: Mapping[str, Any]) -> str:
-        """The JSON text of the example with the open keys' values taken from ``values``."""
-        pieces = self._pieces
-        parts = [pieces[0]]
-        for index, key in enumerate(self._keys, 1):
-            parts.append(_encode_string(values[key]))
-            parts.append(pieces[index])
-        return "".join(parts)
-
-
-#: How ``json.dumps`` (ASCII only, as :func:`dump_json` calls it) writes a string.
-_encode_string = encode_basestring_ascii
 
 
 def as_dict(mapping: Mapping[str, Any]) -> dict[str, Any]:

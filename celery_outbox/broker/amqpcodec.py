@@ -145,11 +145,13 @@ def _encodes(
             "s" * (2 + len(envelope.declare)),
             (envelope.exchange, envelope.routing_key, *envelope.declare),
         )
-        # What py-amqp's frame writer does with a publish's properties.
-        message: Any = amqp.Message(
-            b"", **_as_relay_sends(envelope, headers, properties)
-        )
-        message._serialize_properties()
+        # Each property py-amqp's frame writer would encode, by the type its
+        # Message class declares for it (unknown keys it leaves out, as here).
+        sent = _as_relay_sends(envelope, headers, properties)
+        for name, kind in amqp.Message.PROPERTIES:
+            value = sent.get(name)
+            if value is not None:
+                dumps(kind, (value,))
     except ENCODING_ERRORS:
         return False
     return True

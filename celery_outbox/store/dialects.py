@@ -83,10 +83,6 @@ class Dialect:
         """The enqueue INSERT, with a wake-up hint for the relay where the vendor has one."""
         return insert_sql
 
-    def inline_values(self, connection: BaseDatabaseWrapper) -> bool:
-        """Whether the enqueue INSERT may carry its values as :func:`literal` text."""
-        return False
-
     def after(self, seconds: float) -> tuple[str, list[Any]]:
         """SQL (and its parameters) for the database time ``seconds`` from now."""
         return self.after_expr("%s"), [self.delay_value(seconds)]
@@ -162,21 +158,6 @@ class PostgresDialect(Dialect):
 
     def now(self) -> str:
         return "now()"
-
-    def inline_values(self, connection: BaseDatabaseWrapper) -> bool:
-        # The client-side merge of psycopg 3 costs more than the INSERT's own
-        # execution. literal() is exact only where a backslash is an ordinary
-        # character in '...' and the text travels as UTF-8; the session says which.
-        # libpq's copy of what the server last reported: no round trip.
-        pgconn = getattr(connection.connection, "pgconn", None)
-        try:
-            return bool(
-                pgconn.parameter_status(b"standard_conforming_strings") == b"on"  # type: ignore[union-attr]
-                and pgconn.parameter_status(b"client_encoding") == b"UTF8"  # type: ignore[union-attr]
-            )
-        except Exception:  # psycopg 2, no connection, or a closed one
-            # Not inline: the driver's own path runs, and says what is wrong.
-            return False
 
     def after_expr(self, delay_sql: str) -> str:
         return f"now() + ({delay_sql}) * interval '1 second'"
@@ -263,27 +244,6 @@ class SQLiteDialect(Dialect):
 
     def age_seconds(self, column: str) -> str:
         return f"(julianday('now') - julianday({column})) * 86400.0"
-
-
-def literal(value: str | bytes | int | None) -> str:
-    """One enqueue value as PostgreSQL literal text (``standard_conforming_strings`` on).
-
-    With that setting a ``'...'`` string ends only at a lone quote, so doubling the
-    quotes is the whole escaping; bytes go in bytea's hex form. PostgreSQL text cannot
-    hold NUL, which :meth:`OutboxStore.insert <celery_outbox.store.OutboxStore.insert>`
-    refuses at the call.
-    """
-    if value is None:
-        return "NULL"
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise ValueError("PostgreSQL text cannot contain NUL (0x00) characters")
-        return "'" + str.replace(value, "'", "''") + "'"
-    if isinstance(value, bytes):
-        return "'\\x" + bytes.hex(value) + "'::bytea"
-    if type(value) is int:
-        return str(value)
-    raise TypeError(f"no SQL literal for {type(value).__name__}")
 
 
 def placeholders(values: Sequence[Any]) -> str:

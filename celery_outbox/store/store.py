@@ -39,7 +39,6 @@ from .dialects import (
     MESSAGE_COLUMNS,
     MESSAGE_TABLE,
     Dialect,
-    literal,
     placeholders,
 )
 from .held import HELD_ROWS, HeldRows
@@ -83,35 +82,26 @@ class OutboxStore(OperatorQueries):
         self.write(envelopes, notify=notify)
 
     def write(self, envelopes: Sequence[Envelope], *, notify: bool) -> None:
-        """Send the INSERT of checked messages now, values inline where they may be.
+        """Send the INSERT of checked messages now, with bound parameters.
 
         ``notify`` asks for the wake-up hint, which is left out while one of this
-        process committed just now.
+        process committed just now. More rows than the database takes parameters
+        for in one statement are written in several.
         """
         notify = notify and self.dialect.notifies and HINTS.due()
-        text = self.insert_text(envelopes, notify=notify)
         connection = self.connection
+        limit = connection.features.max_query_params  # None: no limit
+        size = _ROWS_PER_INSERT
+        if limit:
+            size = max(1, min(size, limit // len(MESSAGE_COLUMNS)))
         with connection.cursor() as cursor:
-            if text is None:
-                cursor.execute(*self.insert_statement(envelopes, notify=notify))
-            else:
-                cursor.execute(text)
+            for start in range(0, len(envelopes), size):
+                chunk = envelopes[start : start + size]
+                # One hint is enough: on the last statement.
+                last = start + size >= len(envelopes)
+                cursor.execute(*self.insert_statement(chunk, notify=notify and last))
         if notify:
             remember_hint(connection)
-
-    def insert_text(self, envelopes: Sequence[Envelope], *, notify: bool) -> str | None:
-        """The INSERT of :meth:`insert_statement` with its values inline, or None.
-
-        On PostgreSQL over psycopg 3 the values are written as literals here
-        (:func:`~celery_outbox.store.dialects.literal`), which costs a fraction of the
-        driver's client-side merge; elsewhere, None: use :meth:`insert_statement`.
-        """
-        dialect = self.dialect
-        if not dialect.inline_values(self.connection):
-            return None
-        now = dialect.now()
-        rows = ", ".join([_inline_row(envelope, now) for envelope in envelopes])
-        return dialect.insert(f"{_INLINE_HEAD} VALUES {rows}", notify)
 
     def insert_statement(
         self, envelopes: Sequence[Envelope], *, notify: bool
@@ -347,91 +337,17 @@ def _exclusive_file_lock(path: str) -> Iterator[None]:
 _INSERT_HEAD = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
 
 
-#: The columns whose values change with every row, and those whose values repeat
-#: from row to row (a few shapes per process). The inline INSERT lists the repeated
-#: ones first, so that the first part of a row's text is looked up rather than
-#: written again (:func:`_inline_row`).
-_PER_ROW_COLUMNS = tuple(
-    column
-    for column in MESSAGE_COLUMNS
-    if column
-    in {"task_id", "body", "headers", "properties", "arguments_preview", "log_context"}
-)
-_REPEATED_COLUMNS = tuple(c for c in MESSAGE_COLUMNS if c not in _PER_ROW_COLUMNS)
-_INLINE_HEAD = (
-    f"INSERT INTO {MESSAGE_TABLE} ("
-    f"{', '.join((*_REPEATED_COLUMNS, *_PER_ROW_COLUMNS, *INSERT_COLUMNS[-4:]))})"
-)
-#: The literal text of the repeated columns, by their values; and the values whose
-#: text columns :func:`_check_fits` has passed. Cleared when a process keeps making
-#: new ones (shapes computed per call).
-_REPEATED_TEXT: dict[tuple[Any, ...], str] = {}
-_FITTING: set[tuple[Any, ...]] = set()
-_REPEATED_MAX = 512
-#: ``log_context`` of a message that has none.
-_EMPTY_LOG_CONTEXT_LITERAL = literal(dump_log_context({}))
-
-
-def _repeated_key(envelope: Envelope) -> tuple[Any, ...]:
-    """The values of the repeated columns (the declared queues as they are stored)."""
-    return (
-        envelope.task_name,
-        envelope.queue,
-        envelope.exchange,
-        envelope.routing_key,
-        envelope.ordering_key,
-        envelope.content_type,
-        envelope.content_encoding,
-        tuple(envelope.declare),  # hashable whatever sequence it is
-    )
-
-
-def _inline_row(envelope: Envelope, now: str) -> str:
-    """One row of the inline INSERT, in :data:`_INLINE_HEAD`'s column order."""
-    key = _repeated_key(envelope)
-    repeated = _REPEATED_TEXT.get(key)
-    if repeated is None:
-        # A set of values seen for the first time: the whole row's values, once.
-        values = dict(zip(MESSAGE_COLUMNS, _message_values(envelope), strict=True))
-        repeated = ", ".join([literal(values[column]) for column in _REPEATED_COLUMNS])
-        if len(_REPEATED_TEXT) >= _REPEATED_MAX:
-            _REPEATED_TEXT.clear()
-        _REPEATED_TEXT[key] = repeated
-    headers, properties = envelope.headers, envelope.properties
-    log_context = envelope.log_context
-    return (
-        f"({repeated}, {literal(envelope.task_id)}, {literal(envelope.body)}, "
-        f"{literal(headers.text if type(headers) is JsonObject else json_text(headers))}, "
-        f"{literal(properties.text if type(properties) is JsonObject else json_text(properties))}, "
-        f"{literal(envelope.arguments_preview)}, "
-        f"{literal(dump_log_context(log_context)) if log_context else _EMPTY_LOG_CONTEXT_LITERAL}"
-        f", 0, '', {now}, {now})"
-    )
+#: Rows per INSERT at most: 15 parameters each stay far below every driver's limit.
+_ROWS_PER_INSERT = 1000
 
 
 #: The text columns a caller's values reach unescaped, and their widths (None: any).
 _TEXT_LIMITS: dict[str, int | None] = {**COLUMN_LIMITS, "arguments_preview": None}
-#: Those that change with every row; the others repeat (see :data:`_FITTING`).
-_PER_ROW_LIMITS = {
-    column: limit
-    for column, limit in _TEXT_LIMITS.items()
-    if column in _PER_ROW_COLUMNS
-}
 
 
 def _check_fits(envelope: Envelope) -> None:
-    """Refuse, at the call, a value its column would truncate or reject at the INSERT.
-
-    The repeated columns are checked once per set of values, the others every time.
-    """
-    key = _repeated_key(envelope)
-    if key in _FITTING:
-        _check_columns(envelope, _PER_ROW_LIMITS)
-        return
+    """Refuse, at the call, a value its column would truncate or reject at the INSERT."""
     _check_columns(envelope, _TEXT_LIMITS)
-    if len(_FITTING) >= _REPEATED_MAX:
-        _FITTING.clear()
-    _FITTING.add(key)
 
 
 def _check_columns(envelope: Envelope, limits: Mapping[str, int | None]) -> None:

@@ -34,6 +34,21 @@ def test_a_rolled_back_insert_leaves_nothing(alias: str) -> None:
     assert store.stats().pending == 0
 
 
+def test_a_bulk_insert_past_the_drivers_parameter_limits_writes_every_row(
+    alias: str,
+) -> None:
+    """3,000 rows x 15 values: more than one statement may carry on SQLite."""
+    store = OutboxStore(alias)
+    sent = [
+        envelope(f"bulk-{n}", headers={"id": f"bulk-{n}", "n": n}) for n in range(3000)
+    ]
+    with transaction.atomic(using=alias):
+        store.insert(sent)
+    claimed = store.claim(5000, 30).messages
+    assert [m.envelope.task_id for m in claimed] == [e.task_id for e in sent]
+    assert claimed[-1].envelope == sent[-1]
+
+
 def test_claim_returns_the_whole_message_oldest_first(alias: str) -> None:
     store = OutboxStore(alias)
     sent = envelope(

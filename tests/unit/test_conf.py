@@ -29,10 +29,8 @@ def test_values_are_read_and_typed() -> None:
             EXCLUDE_TASKS=["metrics.*"],
             BATCH_SIZE=100,
             LEASE_SECONDS=45,
-            FAST_ENQUEUE=False,
         )
     )
-    assert loaded.fast_enqueue is False
     assert loaded.app == "proj.celery.app"
     assert loaded.outside_transaction is OutsideTransaction.RAISE
     assert loaded.exclude_tasks == ("metrics.*",)
@@ -59,10 +57,6 @@ def test_values_are_read_and_typed() -> None:
             {"CONFIRM_PUBLISH": "yes"},
             "CELERY_OUTBOX_CONFIRM_PUBLISH must be True or False",
         ),
-        (
-            {"FAST_ENQUEUE": 1},
-            "CELERY_OUTBOX_FAST_ENQUEUE must be True or False",
-        ),
         ({"APP": ""}, "CELERY_OUTBOX_APP must be a non-empty string"),
         ({"RETRY_BASE_SECONDS": 60, "RETRY_MAX_SECONDS": 10}, "must not be smaller"),
         ({"BATCHSIZE": 10}, "Unknown setting CELERY_OUTBOX_BATCHSIZE"),
@@ -73,6 +67,20 @@ def test_bad_settings_are_refused_with_a_clear_message(
 ) -> None:
     with pytest.raises(OutboxConfigurationError, match=message):
         load_settings(settings(**values))
+
+
+def test_a_removed_setting_is_ignored_and_named_by_the_system_checks() -> None:
+    from django.test import override_settings
+
+    from celery_outbox.checks import check_removed_settings
+
+    assert load_settings(settings(FAST_ENQUEUE=True)) == load_settings(settings())
+    with override_settings(CELERY_OUTBOX_FAST_ENQUEUE=True):
+        warnings = check_removed_settings()
+    assert [w.id for w in warnings] == ["celery_outbox.W006"]
+    assert "CELERY_OUTBOX_FAST_ENQUEUE is no longer read" in warnings[0].msg
+    assert "delete the setting" in (warnings[0].hint or "")
+    assert check_removed_settings() == []
 
 
 def test_relay_flags_override_settings() -> None:

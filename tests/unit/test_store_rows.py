@@ -7,21 +7,10 @@ from typing import Any
 
 import pytest
 
-from celery_outbox.envelope import Envelope, JsonObject, as_dict, json_text
+from celery_outbox.envelope import JsonObject, as_dict, json_text
 from celery_outbox.exceptions import OutboxValueError, UnsupportedPayloadVersion
-from celery_outbox.store.dialects import (
-    CLAIM_COLUMNS,
-    INSERT_COLUMNS,
-    MESSAGE_COLUMNS,
-    literal,
-)
-from celery_outbox.store.store import (
-    _INLINE_HEAD,
-    _check_fits,
-    _inline_row,
-    _message_values,
-    _stored_message,
-)
+from celery_outbox.store.dialects import CLAIM_COLUMNS
+from celery_outbox.store.store import _check_fits, _stored_message
 from tests.integration.builders import envelope
 
 ROW: dict[str, Any] = {
@@ -101,60 +90,7 @@ def test_the_enqueue_length_limits_are_the_columns_widths() -> None:
     assert widths == COLUMN_LIMITS
 
 
-# -- the other way: a message as the inline INSERT's row ----------------------------
-
-
-def inline_values(
-    envelope: Envelope,
-) -> dict[str, str]:
-    """``_inline_row``'s values by column, read back from its text."""
-    text = _inline_row(envelope, "now()")
-    expected_order = [*_INLINE_HEAD.split("(", 1)[1].rstrip(")").split(", ")]
-    literals = {
-        column: literal(value)
-        for column, value in zip(
-            MESSAGE_COLUMNS, _message_values(envelope), strict=True
-        )
-    }
-    rebuilt = ", ".join(
-        [literals[c] for c in expected_order[: len(MESSAGE_COLUMNS)]]
-        + ["0", "''", "now()", "now()"]
-    )
-    assert text == f"({rebuilt})"
-    return literals
-
-
-def test_the_inline_row_writes_every_message_column_in_the_heads_order() -> None:
-    head_columns = _INLINE_HEAD.split("(", 1)[1].rstrip(")").split(", ")
-    assert sorted(head_columns) == sorted(INSERT_COLUMNS)
-    first = envelope(
-        "first",
-        task_id="id-1",
-        task_name="shop.it's",
-        exchange="ex",
-        routing_key="rk",
-        body=b"[[1], {}, {}]",
-        headers=JsonObject('{"id": "id-1"}'),
-        properties={"priority": 5},
-        declare=("q1",),
-        queue="q1",
-        arguments_preview="(1,)",
-        ordering_key="order-'7'",
-        log_context={"request_id": "r-1"},
-    )
-    inline_values(first)
-    # Same repeated values: the row's first part comes from the cache, the rest is its own.
-    second = dataclasses.replace(first, task_id="id-2", body=b"[[2], {}, {}]")
-    assert inline_values(second)["task_id"] == "'id-2'"
-    # One repeated value differs: a row of its own, not the first one's text.
-    third = dataclasses.replace(second, queue="other", declare=["other"])  # type: ignore[arg-type]
-    assert inline_values(third)["declare_queues"] == "'[\"other\"]'"
-    assert "'other'" in _inline_row(third, "now()")
-    # No log context: the constant.
-    inline_values(dataclasses.replace(first, log_context={}))
-
-
-def test_a_repeated_value_is_checked_once_and_a_per_row_value_every_time() -> None:
+def test_every_text_column_is_checked_at_the_call() -> None:
     good = envelope("fine", task_id="fine")
     _check_fits(good)
     _check_fits(good)

@@ -1,10 +1,10 @@
-"""``ENGINE = "celery_outbox.backends.postgresql"``: see :mod:`celery_outbox.store.commit`."""
+"""``ENGINE = "celery_outbox.backends.postgresql"``: see :mod:`celery_outbox.backends.writeoncommit`."""
 
 from __future__ import annotations
 
 from django.db.backends.postgresql import base
 
-from ...store.commit import WriteOnCommitMixin
+from ..writeoncommit import WriteOnCommitMixin
 
 
 class DatabaseWrapper(WriteOnCommitMixin, base.DatabaseWrapper):

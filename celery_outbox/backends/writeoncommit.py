@@ -1,4 +1,4 @@
-"""Write the outbox rows of a transaction in its ``COMMIT``'s round trip.
+"""Write the outbox rows of a transaction in its ``COMMIT``'s round trip (experimental).
 
 With a stock backend every ``send_task`` inside ``atomic()`` costs one INSERT round
 trip to the database. :class:`WriteOnCommitMixin`, mixed into a PostgreSQL
@@ -25,9 +25,9 @@ from django.db import DatabaseError
 from django.db.backends.postgresql.psycopg_any import is_psycopg3
 from django.db.backends.utils import debug_transaction
 
-from .held import HeldRows
-from .notify import HINTS
-from .store import OutboxStore
+from ..store import OutboxStore
+from ..store.held import HeldRows
+from ..store.notify import HINTS
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -60,9 +60,6 @@ class WriteOnCommitMixin(_Wrapper):
         envelopes, notify = self.outbox_held_rows.take()
         if envelopes:
             try:
-                # Values inline where the session allows them, as at commit: thousands
-                # of held rows would otherwise pass PostgreSQL's 65,535 bound
-                # parameters under server-side binding.
                 OutboxStore(self.alias).write(envelopes, notify=notify)
             except Exception as exc:
                 # The error reaches whatever statement came next (a SAVEPOINT, a
@@ -130,15 +127,14 @@ class WriteOnCommitMixin(_Wrapper):
         notify = notify and HINTS.due()
         store = OutboxStore(self.alias)
         try:
-            text = store.insert_text(envelopes, notify=notify)
             with self.wrap_database_errors, ClientCursor(self.connection) as cursor:
-                if text is None:
-                    text = cursor.mogrify(
-                        *store.insert_statement(envelopes, notify=notify)
-                    )
-                # No parameters left: psycopg sends the text with the simple query
+                # The driver merges the values into the text (client-side binding):
+                # with no parameters left, psycopg sends it with the simple query
                 # protocol, which runs both statements.
-                statement = text + "; COMMIT"
+                statement = (
+                    cursor.mogrify(*store.insert_statement(envelopes, notify=notify))
+                    + "; COMMIT"
+                )
                 with debug_transaction(self, statement):
                     cursor.execute(statement)
         except DatabaseError:
