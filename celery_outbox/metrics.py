@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .conf import split_address
-from .relay.core import Outcome
+from .outcomes import Outcome
 from .relay.events import BatchSettled, BreakerOpened, RelayEvent
 from .store import OutboxStore, Stats
 

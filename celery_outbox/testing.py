@@ -28,8 +28,8 @@ from .conf import get_settings
 from .enqueue import outbox_alias
 from .envelope import Envelope, StoredMessage, load_json
 from .exceptions import OutboxError
+from .outcomes import Outcome, PublishResult
 from .relay.config import RelayConfig
-from .relay.core import Outcome, PublishResult
 from .relay.events import LoopError, RelayEvent
 from .relay.loop import Cycle, Relay
 from .relay.waiter import Waiter

@@ -22,7 +22,7 @@ from amqp import spec
 from amqp.method_framing import frame_writer
 
 from ..envelope import StoredMessage, as_dict
-from ..relay.core import Outcome, PublishResult
+from ..outcomes import Outcome, PublishResult
 from .amqpframes import publish_frames
 from .base import Budget, all_with, describe, envelope_properties, is_outage
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..envelope import StoredMessage, as_dict
-from ..relay.core import Outcome, PublishResult
+from ..outcomes import Outcome, PublishResult
 
 
 class Budget(Protocol):

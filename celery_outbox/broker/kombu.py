@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..envelope import StoredMessage, as_dict
-from ..relay.core import Outcome, PublishResult
+from ..outcomes import Outcome, PublishResult
 from .base import Budget, all_with, describe, envelope_properties, is_outage
 
 logger = logging.getLogger("celery_outbox.broker")

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..envelope import Envelope, StoredMessage
-from ..relay.core import Outcome, PublishResult
+from ..outcomes import Outcome, PublishResult
 from .base import Budget
 
 

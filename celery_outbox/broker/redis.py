@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..envelope import JsonObject, StoredMessage, json_text
-from ..relay.core import Outcome, PublishResult
+from ..outcomes import Outcome, PublishResult
 from .base import Budget, describe, envelope_properties
 from .kombu import KombuPublisher
 

@@ -19,7 +19,7 @@ from typing import Any
 from opentelemetry import propagate, trace
 
 from ..envelope import StoredMessage
-from ..relay.core import Outcome
+from ..outcomes import Outcome
 from ..relay.events import BatchSettled, RelayEvent
 
 INSTRUMENTATION_NAME = "celery_outbox"

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import sentry_sdk
 
 from ..envelope import StoredMessage
-from ..relay.core import Outcome
+from ..outcomes import Outcome
 from ..relay.events import BatchSettled, BreakerOpened, LoopError, RelayEvent
 
 OP = "queue.publish"

@@ -6,36 +6,10 @@ passed in, so every rule can be tested directly.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-
-class Outcome(enum.Enum):
-    """What happened when the relay tried to publish one message."""
-
-    PUBLISHED = "published"  # the broker confirmed it
-    FAILED = "failed"  # the broker refused this message: counts as an attempt
-    OUTAGE = "outage"  # the broker could not be reached: not the message's fault
-    NOT_SENT = "not_sent"  # never tried (shutdown, batch cut short)
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    """The outcome of one message, with the reason when it was not published."""
-
-    message_id: int
-    outcome: Outcome
-    error: str = ""
-
-
-class Action(enum.Enum):
-    """What the relay does with a claimed row after publishing."""
-
-    DELETE = "delete"
-    RETRY = "retry"
-    DEAD_LETTER = "dead_letter"
-    RELEASE = "release"
+from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 
 
 @dataclass(frozen=True)
@@ -46,16 +20,6 @@ class RetryPolicy:
     base_seconds: float
     max_seconds: float
     outage_cooldown: float
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The fate of one row: an action, the delay before it is due again, the reason."""
-
-    message_id: int
-    action: Action
-    delay: float = 0.0
-    error: str = ""
 
 
 def backoff(attempt: int, policy: RetryPolicy, random: Callable[[], float]) -> float:
@@ -88,68 +52,32 @@ def decide(
     )
 
 
-@dataclass(frozen=True)
-class Settlement:
-    """All decisions of one batch, grouped by action so each kind is one statement."""
+def settle(
+    results: Iterable[PublishResult],
+    attempts: Mapping[int, int],
+    policy: RetryPolicy,
+    random: Callable[[], float],
+) -> Settlement:
+    """:func:`decide` every result (``attempts``: row id -> attempts used) and group.
 
-    delete: tuple[int, ...] = ()
-    retry: tuple[Decision, ...] = ()
-    dead_letter: tuple[Decision, ...] = ()
-    release: tuple[Decision, ...] = ()
-
-    @classmethod
-    def of(cls, decisions: Iterable[Decision]) -> Settlement:
-        """Group decisions by action."""
-        grouped: dict[Action, list[Decision]] = {action: [] for action in Action}
-        for decision in decisions:
-            grouped[decision.action].append(decision)
-        return cls(
-            delete=tuple(d.message_id for d in grouped[Action.DELETE]),
-            retry=tuple(grouped[Action.RETRY]),
-            dead_letter=tuple(grouped[Action.DEAD_LETTER]),
-            release=tuple(grouped[Action.RELEASE]),
-        )
-
-    @classmethod
-    def decided(
-        cls,
-        results: Iterable[PublishResult],
-        attempts: Mapping[int, int],
-        policy: RetryPolicy,
-        random: Callable[[], float],
-    ) -> Settlement:
-        """:func:`decide` every result (``attempts``: row id -> attempts used) and group.
-
-        Published rows, nearly all of a normal batch, go straight to ``delete``.
-        """
-        published: list[int] = []
-        others: list[Decision] = []
-        for result in results:
-            if result.outcome is Outcome.PUBLISHED:
-                published.append(result.message_id)
-            else:
-                others.append(
-                    decide(result, attempts[result.message_id], policy, random)
-                )
-        if not others:
-            return cls(delete=tuple(published))
-        rest = cls.of(others)
-        return cls(
-            delete=tuple(published) + rest.delete,
-            retry=rest.retry,
-            dead_letter=rest.dead_letter,
-            release=rest.release,
-        )
-
-    @property
-    def size(self) -> int:
-        """How many rows this settlement touches."""
-        return (
-            len(self.delete)
-            + len(self.retry)
-            + len(self.dead_letter)
-            + len(self.release)
-        )
+    Published rows, nearly all of a normal batch, go straight to ``delete``.
+    """
+    published: list[int] = []
+    others: list[Decision] = []
+    for result in results:
+        if result.outcome is Outcome.PUBLISHED:
+            published.append(result.message_id)
+        else:
+            others.append(decide(result, attempts[result.message_id], policy, random))
+    if not others:
+        return Settlement(delete=tuple(published))
+    rest = Settlement.of(others)
+    return Settlement(
+        delete=tuple(published) + rest.delete,
+        retry=rest.retry,
+        dead_letter=rest.dead_letter,
+        release=rest.release,
+    )
 
 
 @dataclass(frozen=True)

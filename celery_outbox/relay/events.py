@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..envelope import StoredMessage
+from ..outcomes import PublishResult, Settlement
 from ..store import SettleReport
-from .core import PublishResult, Settlement
 
 logger = logging.getLogger("celery_outbox.relay")
 

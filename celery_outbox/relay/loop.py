@@ -19,9 +19,10 @@ from typing import Protocol
 
 from ..broker import Publisher, describe
 from ..exceptions import OutboxDatabaseError
+from ..outcomes import Action, Decision, PublishResult, Settlement
 from ..store import Claim, OutboxStore, SettleReport
 from .config import RelayConfig
-from .core import Action, Breaker, Decision, PublishResult, Settlement
+from .core import Breaker, settle
 from .events import (
     BatchHook,
     BatchSettled,
@@ -214,9 +215,7 @@ class Relay:
         results = self.publisher.publish(claim.messages, budget)
         publish_seconds = self.clock() - publish_started
         attempts = {m.id: m.attempts for m in claim.messages}
-        settlement = Settlement.decided(
-            results, attempts, self.config.policy, self.random
-        )
+        settlement = settle(results, attempts, self.config.policy, self.random)
         self._note_breaker(results)
         report = self._settle(claim.token, settlement)
         if report is not None:

@@ -31,7 +31,7 @@ from ..exceptions import (
     OutboxValueError,
     UnsupportedPayloadVersion,
 )
-from ..relay.core import Action, Decision, Settlement
+from ..outcomes import Action, Decision, Settlement
 from .dialects import (
     COLUMN_LIMITS,
     DEAD_TABLE,

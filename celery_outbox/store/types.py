@@ -10,7 +10,7 @@ from typing import Any
 from ..envelope import (
     StoredMessage,
 )
-from ..relay.core import Decision
+from ..outcomes import Decision
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.store import OutboxStore
 from tests.integration.builders import dead_letter_due, envelope
 

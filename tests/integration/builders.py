@@ -9,7 +9,7 @@ from typing import Any
 from django.db import connections
 
 from celery_outbox.envelope import Envelope
-from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.relay.events import StopReason
 from celery_outbox.relay.loop import Relay
 from celery_outbox.store import OutboxStore

@@ -11,7 +11,7 @@ from django.test import Client, override_settings
 from kombu.compression import compress
 
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.store import OutboxStore
 
 from .builders import dead_letter_due, envelope

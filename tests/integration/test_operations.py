@@ -15,7 +15,7 @@ from django.test import override_settings
 
 from celery_outbox.durations import parse_duration, parse_moment
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.store import DeadLetterFilter, OutboxStore
 from celery_outbox.tasks import purge_dead_letters
 

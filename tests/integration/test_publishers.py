@@ -18,7 +18,7 @@ from celery_outbox.broker.amqpcodec import amqp_problem
 from celery_outbox.broker.kombu import KombuPublisher
 from celery_outbox.broker.redis import RedisPublisher
 from celery_outbox.envelope import StoredMessage
-from celery_outbox.relay.core import Outcome
+from celery_outbox.outcomes import Outcome
 
 from ..conftest import BROKER_AMQP, BROKER_REDIS
 from .builders import envelope

@@ -25,7 +25,7 @@ from celery_outbox.broker import FixedBudget
 from celery_outbox.broker.kombu import KombuPublisher
 from celery_outbox.broker.redis import RedisPublisher, direct_path_available
 from celery_outbox.envelope import JsonObject, StoredMessage, dump_json
-from celery_outbox.relay.core import Outcome
+from celery_outbox.outcomes import Outcome
 
 from ..conftest import BROKER_REDIS
 from .builders import envelope

@@ -17,8 +17,8 @@ from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.exceptions import OutboxDatabaseError
 from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.core import Outcome, PublishResult, Settlement
 from celery_outbox.relay.events import Idle, RelayEvent, StopReason
 from celery_outbox.relay.loop import Cycle, Relay
 from celery_outbox.store import OutboxStore

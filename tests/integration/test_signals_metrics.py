@@ -18,8 +18,8 @@ from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.metrics import PrometheusSink, RelayMetrics, StatsdSink
 from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.outcomes import Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.core import Outcome, PublishResult
 from celery_outbox.relay.loop import Relay
 from celery_outbox.store import OutboxStore
 from tests.project.shop.models import Order

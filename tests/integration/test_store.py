@@ -10,7 +10,7 @@ import pytest
 from django.db import connections, transaction
 
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.relay.core import Action, Decision, Settlement
+from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.store import OutboxStore
 
 from .builders import envelope

@@ -51,7 +51,7 @@ from celery_outbox.contrib.sentry import SentryRelayTracing
 from celery_outbox.envelope import EMPTY_LOG_CONTEXT, StoredMessage, load_json
 from celery_outbox.exceptions import OutboxDatabaseError
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.relay.core import (
+from celery_outbox.outcomes import (
     Action,
     Decision,
     Outcome,

@@ -15,7 +15,7 @@ from kombu import Connection
 from celery_outbox import signals
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.envelope import StoredMessage
-from celery_outbox.relay.core import Outcome, PublishResult
+from celery_outbox.outcomes import Outcome, PublishResult
 from celery_outbox.testing import OutboxDrainError, OutboxFixture
 from tests.project.shop.models import TaskRun
 from tests.project.shop.tasks import add, record, spawn, spawn_child, trace

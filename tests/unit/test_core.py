@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_outbox.relay.core import (
-    Action,
-    Breaker,
-    Decision,
-    Outcome,
-    PublishResult,
-    RetryPolicy,
-    Settlement,
-    backoff,
-    decide,
-)
+from celery_outbox.outcomes import Action, Decision, Outcome, PublishResult, Settlement
+from celery_outbox.relay.core import Breaker, RetryPolicy, backoff, decide, settle
 
 POLICY = RetryPolicy(
     max_attempts=3, base_seconds=2.0, max_seconds=10.0, outage_cooldown=7.0
@@ -100,7 +91,7 @@ def test_settlement_decided_from_results_matches_deciding_each_row() -> None:
         PublishResult(6, Outcome.NOT_SENT),
     ]
     attempts = {1: 0, 2: 0, 3: 5, 4: 2, 5: 2, 6: 0}
-    settlement = Settlement.decided(results, attempts, POLICY, high)
+    settlement = settle(results, attempts, POLICY, high)
     assert settlement == Settlement(
         delete=(1, 3),
         retry=(Decision(2, Action.RETRY, 2.0, "refused"),),
@@ -117,7 +108,7 @@ def test_settlement_decided_from_results_matches_deciding_each_row() -> None:
 
 def test_an_all_published_batch_is_one_delete() -> None:
     results = [PublishResult(i, Outcome.PUBLISHED) for i in (7, 8, 9)]
-    assert Settlement.decided(results, {}, POLICY, low) == Settlement(delete=(7, 8, 9))
+    assert settle(results, {}, POLICY, low) == Settlement(delete=(7, 8, 9))
 
 
 def outage(n: int) -> list[PublishResult]:
