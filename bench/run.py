@@ -366,10 +366,10 @@ def prebuilt_envelope() -> Any:
 
 def outbox_row_text(envelope: Any) -> str:
     """The INSERT the write-on-commit engine sends for ``envelope``, as text."""
-    from celery_outbox.store import OutboxStore
-
     from django.db import connections
     from psycopg import ClientCursor
+
+    from celery_outbox.store import OutboxStore
 
     statement = OutboxStore("commit").insert_statement([envelope], notify=False)
     connection = connections["commit"]

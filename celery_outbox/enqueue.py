@@ -28,7 +28,7 @@ from kombu.serialization import dumps
 from .broker.amqpcodec import amqp_problem
 from .conf import OutboxSettings, OutsideTransaction, get_settings
 from .contrib.logcontext import capture_log_context
-from .envelope import Envelope
+from .envelope import Envelope, JsonObject, dump_json
 from .exceptions import (
     OutboxSerializationError,
     OutboxTransactionError,
@@ -249,8 +249,10 @@ class CapturingProducer:
             body=data,
             content_type=content_type,
             content_encoding=content_encoding,
-            headers=headers,
-            properties=properties,
+            # Encoded now, on every engine: a value JSON cannot hold is the
+            # caller's mistake, refused here and not at the INSERT or the COMMIT.
+            headers=encoded_mapping("headers", headers, task_name),
+            properties=encoded_mapping("properties", properties, task_name),
             declare=queues,
             queue=queues[0] if queues else (routing_key or ""),
             arguments_preview=preview(headers),
@@ -299,6 +301,44 @@ def serialize(body: Any, serializer: str, task_name: str) -> tuple[str, str, byt
         else payload
     )
     return str(content_type), str(content_encoding), bytes(data)
+
+
+def encoded_mapping(
+    kind: str, mapping: Mapping[str, Any], task_name: str
+) -> JsonObject:
+    """``mapping`` with its stored JSON text, or :class:`OutboxSerializationError`."""
+    try:
+        return JsonObject(dump_json(dict(mapping)), dict(mapping))
+    except (EncodeError, TypeError, ValueError, RecursionError) as exc:
+        where = unencodable_path(dict(mapping))
+        raise OutboxSerializationError(
+            f"Cannot enqueue task {task_name[:80]!r}: the value at {kind}{where} cannot be "
+            f"stored as JSON ({exc}). Pass text, numbers, booleans, None, lists and "
+            f"dicts with text keys (or dates, UUIDs and decimals). Nothing was written."
+        ) from exc
+
+
+def unencodable_path(value: Any, path: str = "") -> str:
+    """Where in ``value`` the first value JSON cannot hold sits: ``['a']['b'][2]: set``."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                return f"{path}[{key!r}] (its key): {type(key).__name__}"
+            found = unencodable_path(item, f"{path}[{key!r}]")
+            if found:
+                return found
+        return ""
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found = unencodable_path(item, f"{path}[{index}]")
+            if found:
+                return found
+        return ""
+    try:
+        dump_json([value])
+    except (EncodeError, TypeError, ValueError, RecursionError):
+        return f"{path}: {type(value).__name__}"
+    return ""
 
 
 def _find_unencodable(body: Any, serializer: str) -> str:

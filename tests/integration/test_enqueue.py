@@ -154,6 +154,35 @@ def test_unencodable_arguments_fail_at_the_call_and_write_nothing() -> None:
     assert Order.objects.count() == 2
 
 
+@pytest.mark.parametrize("alias", ["default", "postgresql_commit", "mysql", "sqlite"])
+@pytest.mark.parametrize(
+    ("options", "where"),
+    [
+        ({"headers": {"tags": {"a", "b"}}}, "headers['tags']: set"),
+        ({"headers": {"x": {"y": [1, 2, object()]}}}, "headers['x']['y'][2]: object"),
+        ({"headers": {"z": 1j}}, "headers['z']: complex"),
+        ({"headers": {"k": {(1, 2): "tuple key"}}}, "headers['k'][(1, 2)] (its key)"),
+    ],
+)
+def test_a_header_json_cannot_hold_is_refused_at_the_call_on_every_engine(
+    settings: Any, alias: str, options: dict[str, Any], where: str
+) -> None:
+    """Refused inside the caller's transaction, naming the path, on every engine.
+
+    The write-on-commit engine used to accept it and fail the caller's COMMIT.
+    """
+    settings.CELERY_OUTBOX_DATABASE = alias
+    with transaction.atomic(using=alias):
+        Order.objects.using(alias).create(number="kept")
+        with pytest.raises(OutboxSerializationError) as raised:
+            record.apply_async(("x",), **options)
+        Order.objects.using(alias).create(number="also kept")
+    assert where in str(raised.value)
+    assert "Nothing was written" in str(raised.value)
+    assert rows(alias) == []
+    assert Order.objects.using(alias).count() == 2
+
+
 def test_excluded_tasks_go_straight_to_the_broker(
     settings: Any, test_queue: str
 ) -> None:
