@@ -103,6 +103,21 @@ class JsonObject(Mapping[str, Any]):
         self._text = text
         self._value = value
 
+    @classmethod
+    def read(cls, text: str, what: str) -> JsonObject:
+        """A stored object, decoded now; :class:`ValueError` naming ``what`` if it is not one.
+
+        A publisher that splices the stored text into its message (Redis) would
+        otherwise hand a consumer garbage, and delete the row as published.
+        """
+        try:
+            value = load_json(text)
+        except (TypeError, ValueError):
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"its {what} are not a JSON object: {str(text)[:80]!r}")
+        return cls(text, value)
+
     @property
     def text(self) -> str:
         """The JSON text, as stored."""

@@ -380,15 +380,27 @@ def test_an_open_breaker_hands_back_a_prefetched_batch(alias: str) -> None:
     assert not thread.is_alive()
 
 
-@pytest.mark.parametrize("text", ["not json", "5", "[1, 2]"])
+@pytest.mark.parametrize(
+    ("column", "text"),
+    [
+        ("declare_queues", "not json"),
+        ("declare_queues", "5"),
+        ("declare_queues", "[1, 2]"),
+        ("headers", "not json"),
+        ("headers", '["a", "list"]'),
+        ("headers", "{truncated"),
+        ("properties", "null"),
+        ("properties", '"text"'),
+    ],
+)
 def test_a_row_the_relay_cannot_read_is_dead_lettered_and_blocks_nothing(
-    alias: str, text: str
+    alias: str, column: str, text: str
 ) -> None:
     # A row edited by hand (or damaged): reading it fails. It must not stop the
     # claim of every batch it is in, nor be published with what it holds.
     enqueue(alias, "good-1", "damaged", "good-2")
     OutboxMessage.objects.using(alias).filter(task_id__startswith="damaged").update(
-        declare_queues=text
+        **{column: text}
     )
     publisher = InMemoryPublisher()
     assert relay_for(alias, publisher, until_empty=True).run() is StopReason.EMPTY
@@ -399,5 +411,6 @@ def test_a_row_the_relay_cannot_read_is_dead_lettered_and_blocks_nothing(
     assert not OutboxMessage.objects.using(alias).exists()
     dead = DeadLetter.objects.using(alias).get()
     assert dead.task_id.startswith("damaged")
-    assert dead.declare_queues == text  # kept as it was, to be fixed and replayed
+    assert getattr(dead, column) == text  # kept as it was, to be fixed and replayed
     assert "cannot be read" in dead.last_error
+    assert column in dead.last_error
