@@ -34,6 +34,7 @@ from .exceptions import (
     OutboxTransactionError,
     OutboxValueError,
 )
+from .queues import queue_spec
 from .signals import send_created
 from .store import OutboxStore
 
@@ -238,9 +239,16 @@ class CapturingProducer:
         codec = compression or self._default_compression
         if codec:
             data, headers["compression"] = compress(data, codec)
-        queues = tuple(
-            entity.name for entity in declare or () if isinstance(entity, Queue)
-        )
+        declared = [entity for entity in declare or () if isinstance(entity, Queue)]
+        queues = tuple(entity.name for entity in declared)
+        try:
+            specs = tuple(queue_spec(entity) for entity in declared)
+        except ValueError as exc:
+            raise OutboxValueError(
+                f"Cannot enqueue task {task_name[:80]!r}: {exc}, so the relay could "
+                f"not declare it as you did. Use plain values in the queue's "
+                f"arguments. Nothing was written."
+            ) from None
         envelope = Envelope(
             task_id=str(headers.get("id", "")),
             task_name=task_name,
@@ -254,6 +262,7 @@ class CapturingProducer:
             headers=encoded_mapping("headers", headers, task_name),
             properties=encoded_mapping("properties", properties, task_name),
             declare=queues,
+            declare_specs=specs,
             queue=queues[0] if queues else (routing_key or ""),
             arguments_preview=preview(headers),
             ordering_key=None if ordering_key is None else str(ordering_key),

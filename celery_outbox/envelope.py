@@ -45,6 +45,10 @@ class Envelope:
     headers: Mapping[str, Any]
     properties: Mapping[str, Any]
     declare: tuple[str, ...] = ()
+    #: Each declared queue's declaration as the caller made it (JSON text of
+    #: :func:`celery_outbox.queues.queue_spec`), in ``declare``'s order; "" or
+    #: missing: the relay declares the queue its own app knows by that name.
+    declare_specs: tuple[str, ...] = ()
     queue: str = ""
     arguments_preview: str = ""
     ordering_key: str | None = None

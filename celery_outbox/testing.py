@@ -35,6 +35,7 @@ from .relay.loop import Cycle, Relay
 from .relay.waiter import Waiter
 from .signals import send_relay_signals
 from .store import OutboxStore
+from .store.store import read_declarations
 
 __all__ = [
     "DecodedBody",
@@ -657,7 +658,8 @@ def _envelope_of(row: Any) -> Envelope:
         content_encoding=row.content_encoding,
         headers=load_json(row.headers),
         properties=load_json(row.properties),
-        declare=tuple(load_json(row.declare_queues)),
+        declare=read_declarations(row.declare_queues)[0],
+        declare_specs=read_declarations(row.declare_queues)[1],
         queue=row.queue,
         arguments_preview=row.arguments_preview,
         ordering_key=row.ordering_key,

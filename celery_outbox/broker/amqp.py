@@ -23,8 +23,17 @@ from amqp.method_framing import frame_writer
 
 from ..envelope import StoredMessage, as_dict
 from ..outcomes import Outcome, PublishResult
+from ..queues import queues_to_declare
 from .amqpframes import publish_frames
-from .base import Budget, all_with, describe, envelope_properties, is_outage
+from .base import (
+    Budget,
+    ResourceAlarm,
+    broker_condition,
+    describe,
+    envelope_properties,
+    explain,
+    is_outage,
+)
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -38,6 +47,8 @@ class _Confirms:
         #: (exchange, routing key) -> delivery tags sent there, in publish order
         self.by_route: dict[tuple[str, str], list[int]] = {}
         self.results: dict[int, PublishResult] = {}
+        #: Ids of the messages handed to the connection (confirmed or not).
+        self.written: set[int] = set()
 
     def sent(self, message: StoredMessage) -> None:
         envelope = message.envelope
@@ -242,6 +253,8 @@ class AmqpPublisher:
         self._declared: set[str] = set()
         self._exchanges: set[str] = {""}
         self._frames = HeldFrames()
+        #: Set while the broker has blocked the connection (a resource alarm).
+        self._blocked: str | None = None
 
     # -- Publisher -------------------------------------------------------------
 
@@ -255,8 +268,7 @@ class AmqpPublisher:
             results = self._publish_batch(messages, budget)
         except amqp_errors.ChannelError as exc:
             if is_outage(exc):
-                self.close()
-                return all_with(messages, Outcome.OUTAGE, describe(exc))
+                return self._outage(messages, exc)
             logger.warning(
                 "Channel closed by the broker (%s); isolating the batch", describe(exc)
             )
@@ -266,13 +278,35 @@ class AmqpPublisher:
         except Exception as exc:
             if not is_outage(exc):
                 raise
-            results = self._confirms.results
-            self.close()
-            return [
-                results.get(m.id) or PublishResult(m.id, Outcome.OUTAGE, describe(exc))
-                for m in messages
-            ]
+            return self._outage(messages, exc)
         return [results[m.id] for m in messages]
+
+    def _outage(
+        self, messages: Sequence[StoredMessage], exc: BaseException
+    ) -> list[PublishResult]:
+        """Results of a batch whose connection failed: no attempt is used.
+
+        What the broker confirmed before stays published (sending it again would
+        only make a duplicate). The rest is an outage, ``in_flight`` when it was
+        written to the connection and the failure may be its own (a frame the broker
+        cannot take); never for a broker condition (credentials, alarm, TLS...).
+        """
+        known = self._confirms.results
+        written = self._confirms.written
+        condition = self._blocked is not None or broker_condition(exc) is not None
+        self.close()
+        error = explain(exc)
+        logger.warning("broker outage, no attempt used: %s", error)
+        return [
+            known.get(m.id)
+            or PublishResult(
+                m.id,
+                Outcome.OUTAGE,
+                error,
+                in_flight=not condition and m.id in written,
+            )
+            for m in messages
+        ]
 
     def ping(self) -> None:
         """Open (or reuse) the channel; raises when the broker is unreachable."""
@@ -282,6 +316,7 @@ class AmqpPublisher:
         """Drop the connection; the next batch reconnects."""
         connection, self._connection = self._connection, None
         self._channel = self._probe = None
+        self._blocked = None
         self._declared.clear()
         self._exchanges = {""}
         if connection is not None:
@@ -318,6 +353,7 @@ class AmqpPublisher:
                 if refused is not None:
                     confirms.results[message.id] = refused
                     continue
+                confirms.written.add(message.id)
                 if self._confirm:
                     confirms.sent(message)
                     self._next_tag = confirms.next_tag
@@ -327,8 +363,11 @@ class AmqpPublisher:
             self._frames.discard()
             raise
         self._frames.release(max(budget.deadline() - time.monotonic(), 0.001))
-        # Without confirms, a message counts as sent once its frames were written to
-        # the socket, not when they were encoded: a failed write is an outage.
+        if written:
+            self._barrier(channel)
+        # Without confirms, a message counts as sent once the broker answered a
+        # method sent after it, not when its frames were written: a broker that
+        # closes the connection over one frame drops the frames after it unread.
         for message in written:
             confirms.results[message.id] = PublishResult(message.id, Outcome.PUBLISHED)
         self._await(budget)
@@ -348,15 +387,25 @@ class AmqpPublisher:
             try:
                 results.append(self._publish_batch([message], budget)[message.id])
             except amqp_errors.ChannelError as exc:
+                if is_outage(exc):
+                    results.extend(self._outage([message], exc))
+                    continue
                 self._drop_channel()
-                outcome = Outcome.OUTAGE if is_outage(exc) else Outcome.FAILED
-                results.append(PublishResult(message.id, outcome, describe(exc)))
+                results.append(PublishResult(message.id, Outcome.FAILED, describe(exc)))
             except Exception as exc:
                 if not is_outage(exc):
                     raise
-                self.close()
-                results.append(PublishResult(message.id, Outcome.OUTAGE, describe(exc)))
+                results.extend(self._outage([message], exc))
         return results
+
+    def _barrier(self, channel: Any) -> None:
+        """A round trip on the publishing channel, answered after its publishes.
+
+        The broker handles a channel's methods in order, so once ``basic.qos`` is
+        answered it has taken every publish sent before it; if it closes the
+        connection instead, this raises.
+        """
+        channel.basic_qos(0, 0, False)
 
     def _open_channel(self) -> Any:
         if self._channel is not None and self._channel.is_open:
@@ -371,6 +420,8 @@ class AmqpPublisher:
             }
             connection.ensure_connection(max_retries=0)
             _skip_poll_before_each_publish(connection.connection)
+            connection.connection.on_blocked = self._on_blocked
+            connection.connection.on_unblocked = self._on_unblocked
             self._connection = connection
         channel = self._connection.connection.channel()
         if self._confirm:
@@ -399,12 +450,18 @@ class AmqpPublisher:
         """
         envelope = message.envelope
         try:
-            for name in envelope.declare:
+            for name, queue in queues_to_declare(
+                envelope.declare, envelope.declare_specs, self._resolve_queue
+            ):
                 if name not in self._declared:
-                    queue = self._resolve_queue(name)
                     if queue is not None:
                         queue(self._probe_channel()).declare()
-                        self._exchanges.add(queue.exchange.name)
+                        # A queue with several bindings has no exchange of its own.
+                        self._exchanges.update(
+                            each.exchange.name
+                            for each in (queue, *(queue.bindings or ()))
+                            if each.exchange is not None
+                        )
                     self._declared.add(name)
             if envelope.exchange not in self._exchanges:
                 self._probe_channel().exchange_declare(
@@ -497,6 +554,8 @@ class AmqpPublisher:
         while confirms.waiting:
             budget.keep_going()
             remaining = budget.deadline() - time.monotonic()
+            if remaining <= 0 and self._blocked is not None:
+                raise ResourceAlarm(self._blocked)
             if remaining <= 0:
                 raise TimeoutError(
                     "publisher confirms did not arrive before the send timeout"
@@ -509,6 +568,14 @@ class AmqpPublisher:
                         connection.drain_events(timeout=None)
                     except TimeoutError:
                         break
+
+    def _on_blocked(self, reason: str) -> None:
+        logger.warning("the broker blocked publishing: %s", reason)
+        self._blocked = reason
+
+    def _on_unblocked(self) -> None:
+        logger.info("the broker unblocked publishing")
+        self._blocked = None
 
     def _on_ack(self, tag: int, multiple: bool) -> None:
         self._confirms.settle(tag, multiple, Outcome.PUBLISHED)

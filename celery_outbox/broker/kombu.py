@@ -12,9 +12,17 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..envelope import StoredMessage, as_dict
+from ..envelope import Envelope, StoredMessage, as_dict
 from ..outcomes import Outcome, PublishResult
-from .base import Budget, all_with, describe, envelope_properties, is_outage
+from ..queues import queues_to_declare
+from .base import (
+    Budget,
+    all_with,
+    describe,
+    envelope_properties,
+    explain,
+    is_outage,
+)
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -46,8 +54,7 @@ class KombuPublisher:
                 return results
         except Exception as exc:
             if is_outage(exc, self._connection_errors()):
-                self.close()
-                return all_with(messages, Outcome.OUTAGE, describe(exc))
+                return self._outage(messages, exc)
             logger.warning(
                 "Batch publish failed (%s); publishing one by one", describe(exc)
             )
@@ -94,13 +101,20 @@ class KombuPublisher:
                 self._send(self._open(), message)
             except Exception as exc:
                 if is_outage(exc, self._connection_errors()):
-                    self.close()
-                    results += all_with(messages[index:], Outcome.OUTAGE, describe(exc))
-                    return results
+                    return results + self._outage(messages[index:], exc)
                 results.append(PublishResult(message.id, Outcome.FAILED, describe(exc)))
                 continue
             results.append(PublishResult(message.id, Outcome.PUBLISHED))
         return results
+
+    def _outage(
+        self, messages: Sequence[StoredMessage], exc: BaseException
+    ) -> list[PublishResult]:
+        """Drop the connection; ``messages`` are an outage (no attempt used), and why."""
+        self.close()
+        error = explain(exc)
+        logger.warning("broker outage, no attempt used: %s", error)
+        return all_with(messages, Outcome.OUTAGE, error)
 
     def _open(self) -> Any:
         if self._producer is None:
@@ -111,16 +125,17 @@ class KombuPublisher:
             self._producer = connection.Producer(auto_declare=False)
         return self._producer
 
-    def _declare(self, producer: Any, names: Sequence[str]) -> bool:
+    def _declare(self, producer: Any, envelope: Envelope) -> bool:
         """Declare the message's queues once per connection, before its first publish.
 
         Returns whether anything was declared now.
         """
         declared = False
-        for name in names:
+        for name, queue in queues_to_declare(
+            envelope.declare, envelope.declare_specs, self._resolve_queue
+        ):
             if name in self._declared:
                 continue
-            queue = self._resolve_queue(name)
             if queue is not None:
                 producer.maybe_declare(queue, retry=False)
                 declared = True
@@ -134,7 +149,7 @@ class KombuPublisher:
 
     def _send(self, producer: Any, message: StoredMessage) -> None:
         envelope = message.envelope
-        self._declare(producer, envelope.declare)
+        self._declare(producer, envelope)
         properties = envelope_properties(message)
         # Stored in AMQP form (milliseconds, a string); kombu takes seconds.
         expiration_ms = properties.pop("expiration", None)

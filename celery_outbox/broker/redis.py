@@ -24,7 +24,7 @@ from typing import Any
 
 from ..envelope import JsonObject, StoredMessage, json_text
 from ..outcomes import Outcome, PublishResult
-from .base import Budget, describe, envelope_properties
+from .base import Budget, broker_condition, describe, envelope_properties
 from .kombu import KombuPublisher
 
 #: What the direct path asks of kombu's Redis channel; a kombu without one of them
@@ -73,12 +73,13 @@ class RedisPublisher(KombuPublisher):
         pushes = _Pushes(self.PUSH_BYTES)
         sent: list[tuple[StoredMessage, list[int]]] = []  # with its pushes
         by_kombu: list[StoredMessage] = []
+        unrouted: list[StoredMessage] = []
         with channel.conn_or_acquire() as client:
             for message in messages:
                 if not budget.keep_going():
                     break
                 envelope = message.envelope
-                if self._declare(producer, envelope.declare):
+                if self._declare(producer, envelope):
                     routes.clear()  # a new binding may change a cached route
                 key = (envelope.exchange, envelope.routing_key)
                 if key not in routes:
@@ -87,6 +88,10 @@ class RedisPublisher(KombuPublisher):
                 queues = routes[key]
                 if queues is None:
                     by_kombu.append(message)
+                    continue
+                if not queues:
+                    # kombu would drop it without a word: nothing was published.
+                    unrouted.append(message)
                     continue
                 payload, priority = _payload(message, next(tags), infos[key])
                 sent.append(
@@ -110,13 +115,18 @@ class RedisPublisher(KombuPublisher):
                 for index in used
                 if isinstance(replies[index], Exception)
             ]
-            done[message.id] = (
-                PublishResult(message.id, Outcome.FAILED, describe(errors[0]))
-                if errors
-                else PublishResult(message.id, Outcome.PUBLISHED)
-            )
+            done[message.id] = _pushed(message, errors)
         for message in by_kombu:
             done[message.id] = self._one_by_one([message], budget)[0]
+        for message in unrouted:
+            envelope = message.envelope
+            done[message.id] = PublishResult(
+                message.id,
+                Outcome.FAILED,
+                f"No queue is bound to exchange {envelope.exchange!r} with routing key "
+                f"{envelope.routing_key!r}: Redis would drop the message. Declare the "
+                f"queue (task_queues, or queue=Queue(...) at the call).",
+            )
         return [
             done.get(m.id) or PublishResult(m.id, Outcome.NOT_SENT) for m in messages
         ]
@@ -155,6 +165,20 @@ class _Pushes:
         for key, payloads in self._commands:
             pipe.lpush(key, *payloads)
         return list(pipe.execute(raise_on_error=False))
+
+
+def _pushed(message: StoredMessage, errors: Sequence[Exception]) -> PublishResult:
+    """A message's result from the replies to its pushes.
+
+    A refusal about the server or the user (a replica, ``NOPERM``, ``LOADING``) is
+    an outage: every message would meet it, and none is to blame.
+    """
+    if not errors:
+        return PublishResult(message.id, Outcome.PUBLISHED)
+    condition = broker_condition(errors[0])
+    if condition is not None:
+        return PublishResult(message.id, Outcome.OUTAGE, condition)
+    return PublishResult(message.id, Outcome.FAILED, describe(errors[0]))
 
 
 def direct_path_available(channel: Any) -> bool:

@@ -32,6 +32,7 @@ from ..exceptions import (
     UnsupportedPayloadVersion,
 )
 from ..outcomes import Action, Decision, Settlement
+from ..queues import is_spec
 from .dialects import (
     COLUMN_LIMITS,
     DEAD_TABLE,
@@ -393,32 +394,50 @@ def _message_values(envelope: Envelope) -> list[Any]:
         envelope.content_encoding,
         json_text(envelope.headers),
         json_text(envelope.properties),
-        dump_json(list(envelope.declare)),
+        _declare_text(envelope),
         envelope.arguments_preview,
         dump_log_context(envelope.log_context),
     ]
 
 
+def _declare_text(envelope: Envelope) -> str:
+    """The ``declare_queues`` column: each queue's declaration, or its bare name."""
+    specs = envelope.declare_specs
+    if not specs:
+        return dump_json(list(envelope.declare))
+    items = [
+        spec or dump_json(name)
+        for name, spec in zip(envelope.declare, specs, strict=True)
+    ]
+    return "[" + ", ".join(items) + "]"
+
+
 #: Decoded ``declare_queues`` texts: nearly every row of a batch holds the same one.
-_DECLARE_CACHE: dict[str, tuple[str, ...]] = {}
+_DECLARE_CACHE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
-def _declare_queues(text: str) -> tuple[str, ...]:
-    """``tuple(load_json(text))``, remembered (the result is immutable).
+def read_declarations(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The queue names and their declarations (JSON, "" for a bare name), remembered.
 
-    Raises :class:`ValueError` when the text is not a JSON list of queue names.
+    Raises :class:`ValueError` when the text is not a JSON list of queue names or
+    declarations.
     """
     found = _DECLARE_CACHE.get(text)
     if found is None:
         try:
-            names = load_json(text)
+            items = load_json(text)
         except ValueError:
-            names = None
-        if type(names) is not list or not all(type(name) is str for name in names):
+            items = None
+        if type(items) is not list or not all(
+            type(item) is str or is_spec(item) for item in items
+        ):
             raise ValueError(
-                f"its declare_queues is not a JSON list of queue names: {text[:80]!r}"
+                f"its declare_queues is not a JSON list of queue names or "
+                f"declarations: {text[:80]!r}"
             )
-        found = tuple(names)
+        names = tuple(item if type(item) is str else item["name"] for item in items)
+        specs = tuple("" if type(item) is str else dump_json(item) for item in items)
+        found = (names, specs if any(specs) else ())
         if len(_DECLARE_CACHE) >= 256:
             _DECLARE_CACHE.clear()
         _DECLARE_CACHE[text] = found
@@ -452,6 +471,7 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         age,
     ) = row
     check_payload_version(int(payload_version), int(row_id))
+    declared_names, declared_specs = read_declarations(declare_queues)
     envelope = Envelope(
         task_id=task_id,
         task_name=task_name,
@@ -462,7 +482,8 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         content_encoding=content_encoding,
         headers=JsonObject.read(headers, "headers"),
         properties=JsonObject.read(properties, "properties"),
-        declare=_declare_queues(declare_queues),
+        declare=declared_names,
+        declare_specs=declared_specs,
         queue=queue,
         arguments_preview=arguments_preview,
         ordering_key=ordering_key,
