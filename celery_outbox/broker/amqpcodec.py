@@ -37,6 +37,12 @@ ENCODING_ERRORS: tuple[type[BaseException], ...] = (
 )
 #: The longest AMQP short string, in bytes.
 SHORTSTR_BYTES = 255
+#: py-amqp's and RabbitMQ's default largest frame; the broker may lower it, never
+#: raise it past what the client asked for.
+FRAME_MAX = 131072
+#: What a content header frame leaves for the properties: the frame's own 8 bytes,
+#: and class, weight, body size and property flags (14 bytes).
+HEADER_FRAME_BYTES = FRAME_MAX - 8 - 14
 
 
 def amqp_problem(envelope: Envelope) -> str | None:
@@ -46,6 +52,9 @@ def amqp_problem(envelope: Envelope) -> str | None:
     """
     headers = as_dict(envelope.headers)
     properties = as_dict(envelope.properties)
+    too_big = _frame_problem(envelope, headers, properties)
+    if too_big is not None:
+        return too_big
     if _plainly_fits(envelope, headers, properties):
         return None  # the common case, without encoding anything
     if _encodes(envelope, headers, properties):
@@ -60,6 +69,35 @@ def amqp_problem(envelope: Envelope) -> str | None:
     if _encodes(envelope, headers, properties):
         return None
     return _pinpoint(envelope, headers, properties)
+
+
+def _frame_problem(
+    envelope: Envelope, headers: Mapping[str, Any], properties: Mapping[str, Any]
+) -> str | None:
+    """Why the properties cannot fit in one content header frame, or None.
+
+    AMQP never splits that frame: a larger one makes RabbitMQ close the whole
+    connection (``frame_too_large``), every time the relay tries.
+    """
+    stored = len(json_text(envelope.headers)) + len(json_text(envelope.properties))
+    if stored * 4 + 1024 < HEADER_FRAME_BYTES:  # no encoding is four times JSON's
+        return None
+    size = 0
+    try:
+        sent = _as_relay_sends(envelope, headers, properties)
+        for name, kind in amqp.Message.PROPERTIES:
+            value = sent.get(name)
+            if value is not None:
+                size += len(dumps(kind, (value,)))
+    except ENCODING_ERRORS:
+        return None  # the other checks say what is wrong with it
+    if size <= HEADER_FRAME_BYTES:
+        return None
+    return (
+        f"its headers and properties take {size:,} bytes in AMQP, and RabbitMQ "
+        f"takes at most {HEADER_FRAME_BYTES:,} in one frame (frame_max "
+        f"{FRAME_MAX:,}); pass large values as arguments, not headers"
+    )
 
 
 def shortstr_problem(what: str, value: str) -> str | None:

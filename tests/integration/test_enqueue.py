@@ -269,6 +269,9 @@ def test_an_ordering_key_is_stored_beside_the_message_not_in_it() -> None:
         # Celery routes by the queue: its name becomes the routing key.
         ({"queue": "é" * 200}, "its routing key is 400 bytes long"),
         ({"task_id": "é" * 200}, "its task id is 400 bytes long"),
+        # RabbitMQ closes the whole connection for a header frame past frame_max.
+        ({"headers": {"blob": "x" * 200_000}}, r"take 200,\d+ bytes in AMQP"),
+        ({"headers": {"ids": list(range(40_000))}}, r"take \d+,\d+ bytes in AMQP"),
     ],
     ids=[
         "ordering key column",
@@ -278,6 +281,8 @@ def test_an_ordering_key_is_stored_beside_the_message_not_in_it() -> None:
         "priority",
         "routing key",
         "id",
+        "header frame past frame_max",
+        "many small header values past frame_max",
     ],
 )
 def test_a_value_that_cannot_be_stored_or_sent_fails_at_the_call(
@@ -305,6 +310,12 @@ def test_a_group_with_a_message_rabbitmq_cannot_carry_writes_nothing() -> None:
     assert Order.objects.count() == 1
 
 
+def test_headers_just_inside_one_amqp_frame_are_accepted() -> None:
+    with transaction.atomic():
+        result = record.apply_async(("x",), headers={"blob": "x" * 120_000})
+    assert [r.task_id for r in rows()] == [result.id]
+
+
 def test_values_only_amqp_refuses_are_written_for_a_redis_broker() -> None:
     app = OutboxCelery("redis-broker", set_as_current=False)
     app.conf.update(broker_url="redis://127.0.0.1:6379/0", result_backend=None)
@@ -315,7 +326,9 @@ def test_values_only_amqp_refuses_are_written_for_a_redis_broker() -> None:
 
     try:
         with transaction.atomic():
-            result = redis_only.apply_async(headers={"n": 2**70}, priority=300)
+            result = redis_only.apply_async(
+                headers={"n": 2**70, "blob": "x" * 200_000}, priority=300
+            )
         [row] = rows()
         assert row.task_id == result.id
         assert str(2**70) in row.headers
