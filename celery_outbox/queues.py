@@ -16,6 +16,8 @@ from typing import Any
 
 from kombu import Exchange, Queue, binding
 
+from .caches import BoundedCache, bounded_cache
+
 #: The queue attributes stored as they are (all plain values, or None).
 _QUEUE_ATTRIBUTES = (
     "routing_key",
@@ -113,7 +115,7 @@ def _binding_order(each: Any) -> tuple[str, str]:
 
 #: Queues rebuilt from stored declarations, by their JSON text (unbound: a
 #: publisher binds a copy to its channel).
-_REBUILT: dict[str, Queue] = {}
+_REBUILT: BoundedCache[str, Queue] = bounded_cache("queues.rebuilt", 256)
 
 
 def queues_to_declare(
@@ -130,9 +132,6 @@ def queues_to_declare(
             continue
         queue = _REBUILT.get(spec)
         if queue is None:
-            queue = queue_from_spec(json.loads(spec))
-            if len(_REBUILT) >= 256:
-                _REBUILT.clear()
-            _REBUILT[spec] = queue
+            queue = _REBUILT.put(spec, queue_from_spec(json.loads(spec)))
         found.append((name, queue))
     return found

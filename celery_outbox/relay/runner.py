@@ -17,9 +17,9 @@ from ..exceptions import OutboxConfigurationError
 from ..metrics import PrometheusSink, RelayMetrics, StatsdSink
 from ..signals import send_relay_signals
 from ..store import OutboxStore
-from ..store.notify import PgNotifyListener
 from .config import RelayConfig
 from .events import Listener, TracingHook, log_event
+from .listener import PgNotifyListener
 from .loop import Relay
 
 

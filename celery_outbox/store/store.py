@@ -14,6 +14,7 @@ from typing import Any
 
 from django.db import transaction
 
+from ..caches import BoundedCache, bounded_cache
 from ..envelope import (
     PAYLOAD_VERSION,
     Envelope,
@@ -413,7 +414,9 @@ def _declare_text(envelope: Envelope) -> str:
 
 
 #: Decoded ``declare_queues`` texts: nearly every row of a batch holds the same one.
-_DECLARE_CACHE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_DECLARED: BoundedCache[str, tuple[tuple[str, ...], tuple[str, ...]]] = bounded_cache(
+    "store.declare_queues", 256
+)
 
 
 def read_declarations(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -422,7 +425,7 @@ def read_declarations(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     Raises :class:`ValueError` when the text is not a JSON list of queue names or
     declarations.
     """
-    found = _DECLARE_CACHE.get(text)
+    found = _DECLARED.get(text)
     if found is None:
         try:
             items = load_json(text)
@@ -437,10 +440,7 @@ def read_declarations(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             )
         names = tuple(item if type(item) is str else item["name"] for item in items)
         specs = tuple("" if type(item) is str else dump_json(item) for item in items)
-        found = (names, specs if any(specs) else ())
-        if len(_DECLARE_CACHE) >= 256:
-            _DECLARE_CACHE.clear()
-        _DECLARE_CACHE[text] = found
+        found = _DECLARED.put(text, (names, specs if any(specs) else ()))
     return found
 
 

@@ -24,9 +24,9 @@ from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.events import StopReason
+from celery_outbox.relay.listener import PgNotifyListener
 from celery_outbox.relay.loop import Relay
 from celery_outbox.store import OutboxStore
-from celery_outbox.store.notify import PgNotifyListener
 
 from .builders import envelope
 

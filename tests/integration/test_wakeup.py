@@ -12,9 +12,10 @@ from django.db import connections, transaction
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.relay.config import RelayConfig
+from celery_outbox.relay.listener import PgNotifyListener
 from celery_outbox.relay.loop import Relay
 from celery_outbox.store import OutboxStore
-from celery_outbox.store.notify import CHANNEL, PgNotifyListener
+from celery_outbox.store.notify import CHANNEL
 from tests.project.shop.tasks import record
 
 from .builders import start_in_thread
