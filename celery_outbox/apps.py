@@ -14,3 +14,9 @@ class CeleryOutboxConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+        from .conf import get_settings
+
+        # Every process that loads Django (web, worker, relay, commands) refuses
+        # wrong CELERY_OUTBOX_* settings now, all of them in one message, instead
+        # of at its first enqueue.
+        get_settings()

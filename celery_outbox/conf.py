@@ -7,6 +7,7 @@ change settings with ``override_settings`` get a fresh object through the
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import math
@@ -188,70 +189,97 @@ def _key_names(name: str, value: Any) -> tuple[str, ...] | None:
     )
 
 
+def _validated(field: str, value: Any) -> Any:
+    """One setting's value, checked and converted; raises naming the setting."""
+    name = next(n for n, f in _FIELDS.items() if f == field)
+    if field == "statsd_address":
+        return _address(name, value)
+    if field in {"app", "database", "redactor"}:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be a non-empty string or None, got {value!r}."
+            )
+        return value
+    if field == "outside_transaction":
+        try:
+            return OutsideTransaction(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in OutsideTransaction)
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be one of {choices}, got {value!r}."
+            ) from None
+    if field == "dead_letter_retention":
+        return _retention(name, value)
+    if field == "exclude_tasks":
+        return _str_tuple(
+            name,
+            value,
+            "a list of task names or glob patterns (e.g. ['myapp.tasks.ping', 'metrics.*'])",
+        )
+    if field == "log_context_keys":
+        return _key_names(name, value)
+    if field in {
+        "direct_from_worker",
+        "confirm_publish",
+        "notify",
+        "publish_on_commit",
+        "prefetch",
+        "log_context",
+    }:
+        if not isinstance(value, bool):
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be True or False, got {value!r}."
+            )
+        return value
+    if field in {"batch_size", "max_attempts"}:
+        if isinstance(value, float):
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be a positive int, got {value!r}."
+            )
+        return _positive(name, value, int)
+    return _positive(name, value, float)
+
+
+def _unknown(key: str) -> str:
+    """The message for a ``CELERY_OUTBOX_*`` name no version reads, with a close match."""
+    known = [PREFIX + name for name in _FIELDS]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    hint = (
+        f" Did you mean {close[0]}?"
+        if close
+        else f" Known settings: {', '.join(known)}."
+    )
+    return f"Unknown setting {key}.{hint}"
+
+
 def load_settings(source: Any = django_settings) -> OutboxSettings:
-    """Build :class:`OutboxSettings` from a Django settings object, validating each value."""
+    """Build :class:`OutboxSettings` from a Django settings object, validating each value.
+
+    Every problem is reported at once, in one :class:`OutboxConfigurationError`.
+    """
     raw = {
         field: getattr(source, PREFIX + name)
         for name, field in _FIELDS.items()
         if hasattr(source, PREFIX + name)
     }
+    problems: list[str] = []
     for key in dir(source):
         name = key[len(PREFIX) :]
         if key.startswith(PREFIX) and name not in _FIELDS and name not in REMOVED:
-            known = ", ".join(PREFIX + n for n in _FIELDS)
-            raise OutboxConfigurationError(
-                f"Unknown setting {key}. Known settings: {known}."
-            )
+            problems.append(_unknown(key))
     values: dict[str, Any] = {}
     for field, value in raw.items():
-        name = next(n for n, f in _FIELDS.items() if f == field)
-        if field == "statsd_address":
-            values[field] = _address(name, value)
-        elif field in {"app", "database", "redactor"}:
-            if value is not None and (not isinstance(value, str) or not value):
-                raise OutboxConfigurationError(
-                    f"{PREFIX}{name} must be a non-empty string or None, got {value!r}."
-                )
-            values[field] = value
-        elif field == "outside_transaction":
-            try:
-                values[field] = OutsideTransaction(value)
-            except ValueError:
-                choices = ", ".join(repr(m.value) for m in OutsideTransaction)
-                raise OutboxConfigurationError(
-                    f"{PREFIX}{name} must be one of {choices}, got {value!r}."
-                ) from None
-        elif field == "dead_letter_retention":
-            values[field] = _retention(name, value)
-        elif field == "exclude_tasks":
-            values[field] = _str_tuple(
-                name,
-                value,
-                "a list of task names or glob patterns (e.g. ['myapp.tasks.ping', 'metrics.*'])",
-            )
-        elif field == "log_context_keys":
-            values[field] = _key_names(name, value)
-        elif field in {
-            "direct_from_worker",
-            "confirm_publish",
-            "notify",
-            "publish_on_commit",
-            "prefetch",
-            "log_context",
-        }:
-            if not isinstance(value, bool):
-                raise OutboxConfigurationError(
-                    f"{PREFIX}{name} must be True or False, got {value!r}."
-                )
-            values[field] = value
-        elif field in {"batch_size", "max_attempts"}:
-            if isinstance(value, float):
-                raise OutboxConfigurationError(
-                    f"{PREFIX}{name} must be a positive int, got {value!r}."
-                )
-            values[field] = _positive(name, value, int)
-        else:
-            values[field] = _positive(name, value, float)
+        try:
+            values[field] = _validated(field, value)
+        except OutboxConfigurationError as exc:
+            problems.append(str(exc))
+    if problems:
+        if len(problems) == 1:
+            raise OutboxConfigurationError(problems[0])
+        raise OutboxConfigurationError(
+            f"{len(problems)} celery-outbox settings are wrong:\n"
+            + "\n".join(f"- {problem}" for problem in problems)
+        )
     result = OutboxSettings(**values)
     if result.lease_seconds <= result.send_timeout:
         raise OutboxConfigurationError(

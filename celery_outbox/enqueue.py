@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from django.apps import apps
 from django.db import connections, router
 from kombu import Exchange, Queue
 from kombu.compression import compress
@@ -30,6 +31,7 @@ from .conf import OutboxSettings, OutsideTransaction, get_settings
 from .contrib.logcontext import capture_log_context
 from .envelope import Envelope, JsonObject, dump_json
 from .exceptions import (
+    OutboxConfigurationError,
     OutboxSerializationError,
     OutboxTransactionError,
     OutboxValueError,
@@ -90,6 +92,17 @@ def choose_route(call: CallContext, settings: OutboxSettings) -> Route:
         ):
             return Route.DIRECT
     return Route.OUTBOX
+
+
+def require_installed() -> bool:
+    """True, or :class:`OutboxConfigurationError` when the Django app is not installed."""
+    if not apps.is_installed("celery_outbox"):
+        raise OutboxConfigurationError(
+            "'celery_outbox' is not in INSTALLED_APPS, so its tables and the relay "
+            "command do not exist. Add 'celery_outbox' to INSTALLED_APPS and run "
+            "'python manage.py migrate celery_outbox'."
+        )
+    return True
 
 
 def outbox_alias(settings: OutboxSettings) -> str:
@@ -397,9 +410,12 @@ class Enqueuer:
         """``on_commit(alias, task_ids)`` is called for each write when publish-on-commit is on."""
         self.guard = TransactionGuard()
         self._on_commit = on_commit
+        self._installed = False
 
     def write(self, envelopes: Sequence[Envelope]) -> None:
         """Insert messages on the outbox alias, in the caller's transaction, in one INSERT."""
+        if not self._installed:
+            self._installed = require_installed()
         settings = get_settings()
         alias = outbox_alias(settings)
         names = (

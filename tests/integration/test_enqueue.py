@@ -183,6 +183,26 @@ def test_a_header_json_cannot_hold_is_refused_at_the_call_on_every_engine(
     assert Order.objects.using(alias).count() == 2
 
 
+def test_a_project_without_the_django_app_is_told_how_to_fix_it(
+    settings: Any,
+) -> None:
+    app = OutboxCelery("not-installed", set_as_current=False)
+    app.conf.update(broker_url=BROKER_AMQP, result_backend=None)
+    installed = [name for name in settings.INSTALLED_APPS if name != "celery_outbox"]
+    try:
+        with (
+            override_settings(INSTALLED_APPS=installed),
+            transaction.atomic(),
+            pytest.raises(OutboxConfigurationError) as raised,
+        ):
+            app.send_task("shop.record", ("x",))
+    finally:
+        app.close()
+        outbox_app_module._instances.discard(app)
+    assert "Add 'celery_outbox' to INSTALLED_APPS" in str(raised.value)
+    assert "migrate celery_outbox" in str(raised.value)
+
+
 def test_excluded_tasks_go_straight_to_the_broker(
     settings: Any, test_queue: str
 ) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -83,6 +85,19 @@ def test_a_removed_setting_is_ignored_and_named_by_the_system_checks() -> None:
     assert check_removed_settings() == []
 
 
+def test_every_wrong_setting_is_reported_at_once_with_a_close_match() -> None:
+    with pytest.raises(OutboxConfigurationError) as raised:
+        load_settings(settings(BATCH_SIZE=0, NOTIFY="yes", LEASE_SECOND=30))
+    message = str(raised.value)
+    assert message.startswith("3 celery-outbox settings are wrong:")
+    assert "CELERY_OUTBOX_BATCH_SIZE must be a positive int, got 0" in message
+    assert "CELERY_OUTBOX_NOTIFY must be True or False, got 'yes'" in message
+    assert (
+        "Unknown setting CELERY_OUTBOX_LEASE_SECOND. "
+        "Did you mean CELERY_OUTBOX_LEASE_SECONDS?" in message
+    )
+
+
 def test_relay_flags_override_settings() -> None:
     config = RelayConfig.from_settings(
         OutboxSettings(), batch_size=7, max_attempts=None
@@ -146,3 +161,31 @@ def test_a_statsd_address_without_a_usable_port_is_refused_at_start_up(
 @pytest.mark.parametrize("address", ["statsd.internal:8125", "[::1]:8125"])
 def test_a_statsd_address_is_accepted(address: str) -> None:
     assert load_settings(settings(STATSD_ADDRESS=address)).statsd_address == address
+
+
+#: A process that loads Django with wrong settings (a fresh interpreter: Django is
+#: set up once per process).
+SETUP = """
+import django
+from django.conf import settings
+settings.configure(
+    INSTALLED_APPS=["django.contrib.contenttypes", "celery_outbox"],
+    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+    CELERY_OUTBOX_BATCH_SIZE=0,
+    CELERY_OUTBOX_NOTIFI=True,
+)
+django.setup()
+"""
+
+
+def test_a_process_that_loads_django_refuses_wrong_settings_at_start() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SETUP],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "OutboxConfigurationError: 2 celery-outbox settings are wrong" in done.stderr
+    assert "Did you mean CELERY_OUTBOX_NOTIFY?" in done.stderr
