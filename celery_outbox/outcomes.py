@@ -27,6 +27,10 @@ class PublishResult:
     message_id: int
     outcome: Outcome
     error: str = ""
+    #: For an ``OUTAGE``: the message was written to a connection that then broke
+    #: before the broker confirmed it. A message whose send kills the connection
+    #: every time looks like this; a wrong password or a resource alarm never does.
+    in_flight: bool = False
 
 
 class Action(enum.Enum):

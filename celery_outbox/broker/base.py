@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -73,7 +74,13 @@ def describe(exc: BaseException) -> str:
 def is_outage(
     exc: BaseException, connection_errors: tuple[type[BaseException], ...] = ()
 ) -> bool:
-    """Whether an error means the broker is unreachable rather than refusing a message."""
+    """Whether an error means the broker is unreachable rather than refusing a message.
+
+    Everything about the connection rather than a message is an outage: no attempt is
+    used and nothing is dead-lettered (see :func:`broker_condition`).
+    """
+    if broker_condition(exc) is not None:
+        return True
     if isinstance(exc, (socket.timeout, TimeoutError, ConnectionError, EOFError)):
         return True
     if isinstance(exc, OSError):
@@ -93,6 +100,115 @@ def is_outage(
     return isinstance(
         exc, (amqp_errors.RecoverableConnectionError, amqp_errors.ConnectionError)
     )
+
+
+class ResourceAlarm(Exception):
+    """The broker blocked the connection (a memory or disk alarm) while we published."""
+
+
+#: AMQP reply codes that are about the connection, the credentials or the broker's
+#: state, never about one message, and what to do about each.
+_AMQP_CONDITIONS = {
+    403: (
+        "the broker refused the credentials or a permission",
+        "check the user and password in CELERY_BROKER_URL and the user's "
+        "permissions on the virtual host (rabbitmqctl list_user_permissions)",
+    ),
+    530: (
+        "the broker refused access to the virtual host",
+        "check the virtual host in CELERY_BROKER_URL and that the user may use it "
+        "(rabbitmqctl set_permissions)",
+    ),
+    320: (
+        "the broker closed the connection (shutdown or an operator)",
+        "the relay reconnects once the broker accepts connections again",
+    ),
+}
+
+#: Redis errors about the server or the credentials, by class name (redis-py's
+#: classes; the redis extra is optional, so they are not imported here).
+_REDIS_CONDITIONS = {
+    "AuthenticationError": (
+        "Redis refused the credentials",
+        "check the user and password in CELERY_BROKER_URL",
+    ),
+    "AuthenticationWrongNumberOfArgsError": (
+        "Redis refused the credentials",
+        "check the user and password in CELERY_BROKER_URL",
+    ),
+    "NoPermissionError": (
+        "the Redis user lacks a permission (ACL)",
+        "grant the user the commands and keys the relay uses (ACL SETUSER)",
+    ),
+    "BusyLoadingError": (
+        "Redis is loading its data set",
+        "the relay goes on once Redis has loaded it",
+    ),
+    "ReadOnlyError": (
+        "the Redis server is a read-only replica",
+        "point CELERY_BROKER_URL at the primary",
+    ),
+}
+
+
+def broker_condition(exc: BaseException) -> str | None:
+    """Why ``exc`` is the connection's or the broker's problem, or None.
+
+    Wrong credentials, a refused virtual host or permission, a resource alarm, TLS
+    errors, a broker shutting down, a Redis replica or a loading Redis: no message
+    is to blame, so these are outages that no message is ever charged for, however
+    often they repeat and whatever was in flight. The text says what to check.
+    """
+    exc = underlying(exc)
+    code = getattr(exc, "reply_code", None)
+    if type(exc).__module__.startswith("amqp") and code in _AMQP_CONDITIONS:
+        what, fix = _AMQP_CONDITIONS[code]
+        return f"{what} ({describe(exc)}): {fix}"
+    if isinstance(exc, ResourceAlarm):
+        return (
+            f"the broker blocked publishing ({describe(exc)}): it has a resource "
+            f"alarm (memory or disk); see the broker's logs"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return (
+            f"the TLS connection to the broker failed ({describe(exc)}): check the "
+            f"broker's certificate and the broker_use_ssl settings"
+        )
+    if type(exc).__module__.startswith("redis"):
+        for klass in type(exc).__mro__:
+            if klass.__name__ in _REDIS_CONDITIONS:
+                what, fix = _REDIS_CONDITIONS[klass.__name__]
+                return f"{what} ({describe(exc)}): {fix}"
+        if str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            return (
+                f"Redis refused the credentials or a permission ({describe(exc)}): "
+                f"check the user and password in CELERY_BROKER_URL and its ACL"
+            )
+    return None
+
+
+def underlying(exc: BaseException) -> BaseException:
+    """The broker's own error when a socket error raised while handling it hid it.
+
+    py-amqp closes the socket when the broker closes the connection; restoring the
+    socket's timeout afterwards then fails with ``EBADF`` and replaces the broker's
+    reason (``frame_too_large``, ``ACCESS_REFUSED``) with an ``OSError``. kombu
+    re-raises a transport's connection errors as its ``OperationalError``.
+    """
+    if type(exc).__module__.startswith("kombu") and exc.__cause__ is not None:
+        return underlying(exc.__cause__)
+    context = exc.__context__
+    if isinstance(exc, OSError) and type(context).__module__.startswith(
+        ("amqp", "redis")
+    ):
+        assert context is not None
+        return context
+    return exc
+
+
+def explain(exc: BaseException) -> str:
+    """What to log and store for a failed publish: the reason, and the fix if known."""
+    return broker_condition(exc) or describe(underlying(exc))
 
 
 def all_with(

@@ -25,7 +25,7 @@ from typing import Any
 from ..envelope import JsonObject, StoredMessage, json_text
 from ..outcomes import Outcome, PublishResult
 from .base import Budget, broker_condition, describe, envelope_properties
-from .kombu import KombuPublisher
+from .kombu import KombuPublisher, logger
 
 #: What the direct path asks of kombu's Redis channel; a kombu without one of them
 #: gets the ``Producer`` path for every message.
@@ -116,6 +116,9 @@ class RedisPublisher(KombuPublisher):
                 if isinstance(replies[index], Exception)
             ]
             done[message.id] = _pushed(message, errors)
+        outages = [r for r in done.values() if r.outcome is Outcome.OUTAGE]
+        if outages:
+            logger.warning("broker outage, no attempt used: %s", outages[0].error)
         for message in by_kombu:
             done[message.id] = self._one_by_one([message], budget)[0]
         for message in unrouted:

@@ -29,6 +29,8 @@ class RelayConfig:
     min_poll_interval: float = 0.01
     #: While a full batch is published, claim the next one on a second connection.
     prefetch: bool = False
+    #: A row in flight when this many connections broke is next sent alone.
+    isolate_after: int = 1
 
     @classmethod
     def from_settings(cls, settings: OutboxSettings, **overrides: Any) -> RelayConfig:
@@ -67,6 +69,7 @@ class RelayConfig:
             "send timeout": self.send_timeout,
             "shutdown timeout": self.shutdown_timeout,
             "max attempts": self.policy.max_attempts,
+            "isolate after": self.isolate_after,
         }
         for name, value in numbers.items():
             if value <= 0:

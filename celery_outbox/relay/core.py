@@ -107,3 +107,62 @@ class Breaker:
         count = self.consecutive_outages + 1
         open_until = now + self.cooldown if count >= self.threshold else self.open_until
         return Breaker(self.threshold, self.cooldown, count, open_until)
+
+
+@dataclass(frozen=True)
+class Suspects:
+    """Rows that were in flight when a connection broke, and how many times.
+
+    A message the broker cannot take at all (a frame over ``frame_max``) makes the
+    broker close the whole connection: every message of its batch is an outage, and
+    the messages before it, delivered but never confirmed, go out again each cycle.
+    A row caught in ``threshold`` such breaks is sent alone next time: if the
+    connection breaks again with only that row on it, the row is to blame
+    (:func:`judge_alone`). Broker conditions (credentials, alarms) never count,
+    because the publishers do not mark them ``in_flight``.
+    """
+
+    threshold: int
+    #: (row id, breaks it was in flight for), most recent last.
+    counts: tuple[tuple[int, int], ...] = ()
+    #: Rows remembered at most; the oldest are forgotten first.
+    limit: int = 10_000
+
+    def alone(self, ids: Iterable[int]) -> frozenset[int]:
+        """Which of ``ids`` to send one at a time."""
+        counts = dict(self.counts)
+        return frozenset(i for i in ids if counts.get(i, 0) >= self.threshold)
+
+    def after_batch(self, results: Iterable[PublishResult]) -> Suspects:
+        """The suspects after a batch with these results."""
+        counts = dict(self.counts)
+        changed = False
+        for result in results:
+            if result.outcome is Outcome.OUTAGE and result.in_flight:
+                counts[result.message_id] = counts.pop(result.message_id, 0) + 1
+                changed = True
+            elif result.outcome is Outcome.PUBLISHED:
+                # A failed suspect stays one: its retries must not break a batch.
+                changed = counts.pop(result.message_id, None) is not None or changed
+        if not changed:
+            return self
+        kept = tuple(counts.items())[-self.limit :]
+        return Suspects(self.threshold, kept, self.limit)
+
+
+def judge_alone(result: PublishResult) -> PublishResult:
+    """The result of a suspect sent alone: breaking the connection alone is its fault.
+
+    Charged as a failure (one attempt), so a message that always breaks the
+    connection ends among the dead letters with the broker's reason, and stops no
+    other row.
+    """
+    if result.outcome is not Outcome.OUTAGE or not result.in_flight:
+        return result
+    return PublishResult(
+        result.message_id,
+        Outcome.FAILED,
+        f"The broker closed the connection each time this message was sent, the "
+        f"last time with no other message in flight ({result.error}). The message is "
+        f"likely too large for the broker (a header over its frame_max?).",
+    )

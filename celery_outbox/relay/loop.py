@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Protocol
 
 from ..broker import Publisher, describe
+from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
-from ..outcomes import Action, Decision, PublishResult, Settlement
+from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from ..store import Claim, OutboxStore, SettleReport
 from .config import RelayConfig
-from .core import Breaker, settle
+from .core import Breaker, Suspects, judge_alone, settle
 from .events import (
     BatchHook,
     BatchSettled,
@@ -91,6 +92,7 @@ class Relay:
         #: Entered around each batch's publish and settlement (tracing).
         self.batch_hooks = list(batch_hooks)
         self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
+        self.suspects = Suspects(config.isolate_after)
         self._stopping = False
         self._stop_at: float | None = None
         self._unsettled: tuple[str, Settlement] | None = None
@@ -212,11 +214,12 @@ class Relay:
             self, claim.token, [m.id for m in claim.messages], started, leased_at
         )
         publish_started = self.clock()
-        results = self.publisher.publish(claim.messages, budget)
+        results = self._publish(claim.messages, budget)
         publish_seconds = self.clock() - publish_started
         attempts = {m.id: m.attempts for m in claim.messages}
         settlement = settle(results, attempts, self.config.policy, self.random)
         self._note_breaker(results)
+        self.suspects = self.suspects.after_batch(results)
         report = self._settle(claim.token, settlement)
         if report is not None:
             event = BatchSettled(
@@ -230,6 +233,36 @@ class Relay:
             emit(self.listeners, event)
 
     # -- internals -------------------------------------------------------------
+
+    def _publish(
+        self, messages: Sequence[StoredMessage], budget: _BatchBudget
+    ) -> list[PublishResult]:
+        """Publish a batch; suspects (:class:`.core.Suspects`) go first, one at a time.
+
+        Sent alone, a suspect either goes through, or breaks the connection with
+        nothing else in flight and is charged for it (:func:`.core.judge_alone`).
+        """
+        alone = self.suspects.alone(m.id for m in messages)
+        if not alone:
+            return self.publisher.publish(messages, budget)
+        done: dict[int, PublishResult] = {}
+        for message in messages:
+            if message.id not in alone:
+                continue
+            if not budget.keep_going():
+                break
+            result = judge_alone(self.publisher.publish([message], budget)[0])
+            done[message.id] = result
+            if result.outcome is Outcome.OUTAGE:
+                # The broker is down (or refuses us): the rest waits for it too.
+                return [
+                    done.get(m.id) or PublishResult(m.id, Outcome.OUTAGE, result.error)
+                    for m in messages
+                ]
+        rest = [m for m in messages if m.id not in done]
+        if rest:
+            done.update((r.message_id, r) for r in self.publisher.publish(rest, budget))
+        return [done[m.id] for m in messages]
 
     def _next_claim(self) -> tuple[float, Claim]:
         """The prefetched claim if one is waiting and still fresh, else a new claim."""

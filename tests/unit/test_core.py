@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from celery_outbox.outcomes import Action, Decision, Outcome, PublishResult, Settlement
-from celery_outbox.relay.core import Breaker, RetryPolicy, backoff, decide, settle
+from celery_outbox.relay.core import (
+    Breaker,
+    RetryPolicy,
+    Suspects,
+    backoff,
+    decide,
+    judge_alone,
+    settle,
+)
 
 POLICY = RetryPolicy(
     max_attempts=3, base_seconds=2.0, max_seconds=10.0, outage_cooldown=7.0
@@ -134,3 +142,58 @@ def test_a_refused_message_proves_the_broker_is_up() -> None:
     )
     assert not breaker.is_open(0.0)
     assert breaker.consecutive_outages == 0
+
+
+def broke(*ids: int, in_flight: bool = True) -> list[PublishResult]:
+    return [
+        PublishResult(i, Outcome.OUTAGE, "FrameError: frame_too_large", in_flight)
+        for i in ids
+    ]
+
+
+def test_rows_in_flight_when_the_connection_broke_are_sent_alone() -> None:
+    suspects = Suspects(threshold=1).after_batch(broke(1, 2, 3))
+    assert suspects.alone([1, 2, 3, 4]) == {1, 2, 3}
+
+
+def test_suspicion_needs_threshold_breaks() -> None:
+    once = Suspects(threshold=2).after_batch(broke(1, 2))
+    assert once.alone([1, 2]) == frozenset()
+    twice = once.after_batch(broke(2))
+    assert twice.alone([1, 2]) == {2}
+
+
+def test_a_broker_condition_never_makes_a_suspect() -> None:
+    # Wrong password, resource alarm: publishers do not mark them in flight.
+    suspects = Suspects(threshold=1)
+    for _ in range(5):
+        suspects = suspects.after_batch(broke(1, 2, in_flight=False))
+    assert suspects.alone([1, 2]) == frozenset()
+
+
+def test_a_published_row_is_cleared_and_a_failed_one_stays_alone() -> None:
+    suspects = Suspects(threshold=1).after_batch(broke(1, 2))
+    after = suspects.after_batch(
+        [PublishResult(1, Outcome.PUBLISHED), PublishResult(2, Outcome.FAILED, "x")]
+    )
+    # A retried poison message must not break a whole batch again.
+    assert after.alone([1, 2]) == {2}
+
+
+def test_suspects_are_bounded() -> None:
+    suspects = Suspects(threshold=1, limit=3).after_batch(broke(1, 2, 3, 4, 5))
+    assert suspects.alone(range(10)) == {3, 4, 5}
+
+
+def test_breaking_the_connection_alone_is_the_messages_failure() -> None:
+    judged = judge_alone(broke(7)[0])
+    assert judged.outcome is Outcome.FAILED
+    assert "frame_too_large" in judged.error
+    assert "no other message in flight" in judged.error
+
+
+def test_a_broker_down_while_alone_is_still_an_outage() -> None:
+    down = broke(7, in_flight=False)[0]
+    assert judge_alone(down) is down
+    published = PublishResult(7, Outcome.PUBLISHED)
+    assert judge_alone(published) is published
