@@ -265,10 +265,23 @@ def replay(store: OutboxStore, request: ReplayRequest, stderr: OutputWrapper) ->
     bar.finish()
     breakdown = _breakdown(report.by_task)
     if report.dry_run:
-        return f"would replay {report.matched} dead letter(s){breakdown} (dry run)"
-    if not report.matched:
-        return "no dead letter matched; nothing replayed"
-    return f"replayed {report.replayed} dead letter(s) into the outbox{breakdown}"
+        summary = f"would replay {report.matched} dead letter(s){breakdown} (dry run)"
+    elif not report.matched:
+        summary = "no dead letter matched; nothing replayed"
+    else:
+        summary = (
+            f"replayed {report.replayed} dead letter(s) into the outbox{breakdown}"
+        )
+    asked = request.selection.ids
+    if asked and report.matched < len(set(asked)):
+        # The ids that did match were replayed; a script must still hear of the rest.
+        missing = len(set(asked)) - report.matched
+        raise CommandError(
+            f"{summary}; {missing} of the {len(set(asked))} id(s) given match no dead "
+            f"letter (already replayed or purged?). Check the ids in the admin or with "
+            f"'outbox stats --top N'."
+        )
+    return summary
 
 
 def _breakdown(by_task: Mapping[str, int]) -> str:
@@ -322,12 +335,19 @@ class PurgeRequest:
         task: str | None,
         dry_run: bool,
         chunk_size: int,
+        everything: bool = False,
     ) -> PurgeRequest:
-        """``--older-than`` wins; else the retention setting; else refuse."""
+        """``--all``, or ``--older-than``, or else the retention setting; else refuse."""
+        if everything:
+            if older_than is not None:
+                raise CommandError("purge: --all cannot be combined with --older-than")
+            if task is not None and not task.strip():
+                raise CommandError("purge: --task needs a task name or glob")
+            return cls(0.0, task, dry_run, chunk_size)
         if older_than is None:
             if retention is None:
                 raise CommandError(
-                    "purge: give --older-than (e.g. 7d) or set "
+                    "purge: give --older-than (e.g. 7d), --all, or set "
                     "CELERY_OUTBOX_DEAD_LETTER_RETENTION"
                 )
             seconds = retention
@@ -350,7 +370,11 @@ def purge(store: OutboxStore, request: PurgeRequest) -> str:
         chunk_size=request.chunk_size,
     )
     scope = f" of {request.task}" if request.task else ""
-    age = f"older than {_duration_text(request.older_than)}"
+    age = (
+        f"older than {_duration_text(request.older_than)}"
+        if request.older_than
+        else "of any age"
+    )
     if report.dry_run:
         return f"would delete {report.matched} dead letter(s){scope} {age} (dry run)"
     return f"deleted {report.deleted} dead letter(s){scope} {age}"

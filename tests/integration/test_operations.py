@@ -498,6 +498,7 @@ def test_replay_command_by_id_with_a_progress_bar(on_alias: str) -> None:
         (("replay", "--since", "1h", "--until", "2h"), "must be before --until"),
         (("replay", "--all", "--task", "x"), "--all cannot be combined"),
         (("purge",), "give --older-than"),
+        (("purge", "--all", "--older-than", "1d"), "--all cannot be combined"),
         (("purge", "--older-than", "soon"), "--older-than: 'soon' is not a duration"),
     ],
 )
@@ -528,6 +529,29 @@ def test_purge_command(on_alias: str) -> None:
             *DeadLetter.objects.using(on_alias).values_list("task_id", flat=True),
         )
         assert outbox("purge")[0].strip() == "deleted 1 dead letter(s) older than 1h"
+    assert store.stats().dead == 0
+
+
+def test_replaying_ids_that_match_no_dead_letter_fails_after_replaying_the_rest(
+    on_alias: str,
+) -> None:
+    store = OutboxStore(on_alias)
+    [task_id] = kill(store, "a")
+    real = str(dead_id(on_alias, task_id))
+    with pytest.raises(CommandError) as raised:
+        outbox("replay", real, "999999998", "999999999")
+    assert "replayed 1 dead letter(s)" in str(raised.value)
+    assert "2 of the 3 id(s) given match no dead letter" in str(raised.value)
+    assert (store.stats().dead, store.stats().pending) == (0, 1)
+
+
+def test_purge_all_deletes_every_dead_letter_whatever_its_age(on_alias: str) -> None:
+    store = OutboxStore(on_alias)
+    kill(store, "just", "died")
+    assert outbox("purge", "--all", "--dry-run")[0].strip() == (
+        "would delete 2 dead letter(s) of any age (dry run)"
+    )
+    assert outbox("purge", "--all")[0].strip() == "deleted 2 dead letter(s) of any age"
     assert store.stats().dead == 0
 
 

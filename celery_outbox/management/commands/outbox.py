@@ -169,6 +169,7 @@ class Command(BaseCommand):
             task=options["task"],
             dry_run=options["dry_run"],
             chunk_size=options["chunk_size"],
+            everything=options["all"],
         )
         self.stdout.write(purge(_store(), request))
 
@@ -242,6 +243,9 @@ def _add_operator_arguments(
     )
     purge.add_argument(
         "--task", default=None, metavar="GLOB", help="Task name or glob."
+    )
+    purge.add_argument(
+        "--all", action="store_true", help="Delete every dead letter, whatever its age."
     )
     purge.add_argument("--dry-run", action="store_true", help="Only count.")
     purge.add_argument("--chunk-size", type=_positive(int), default=1000)
