@@ -364,22 +364,32 @@ def unencodable_path(value: Any, path: str = "") -> str:
 
 
 def _find_unencodable(body: Any, serializer: str) -> str:
-    """Name the first argument the serializer refuses, for the error message."""
+    """Name the first argument the serializer refuses, for the error message.
+
+    With the json serializer, also the path to the value inside it
+    (``keyword argument 'a' (kwargs['a']['b'][2]: set)``).
+    """
     if isinstance(body, (tuple, list)) and len(body) >= 2:
         args, kwargs = body[0], body[1]
-        candidates: list[tuple[str, Any]] = [
-            (f"positional argument {index}", value)
+        candidates: list[tuple[str, str, Any]] = [
+            (f"positional argument {index}", f"args[{index}]", value)
             for index, value in enumerate(args or ())
         ]
         if isinstance(kwargs, Mapping):
             candidates += [
-                (f"keyword argument {key!r}", value) for key, value in kwargs.items()
+                (f"keyword argument {key!r}", f"kwargs[{key!r}]", value)
+                for key, value in kwargs.items()
             ]
-        for label, value in candidates:
+        for label, path, value in candidates:
             try:
                 dumps(value, serializer=serializer)
             except Exception:
-                return f"{label} of type {type(value).__module__}.{type(value).__qualname__}"
+                kind = type(value)
+                found = f"{label} of type {kind.__module__}.{kind.__qualname__}"
+                inside = unencodable_path(value, path) if serializer == "json" else ""
+                if inside and not inside.startswith(f"{path}:"):
+                    found += f" ({inside})"
+                return found
     return "the message body"
 
 

@@ -203,6 +203,14 @@ def test_a_project_without_the_django_app_is_told_how_to_fix_it(
     assert "migrate celery_outbox" in str(raised.value)
 
 
+def test_a_serialization_error_names_the_path_to_the_value() -> None:
+    with transaction.atomic(), pytest.raises(OutboxSerializationError) as raised:
+        record.delay("x", value={"a": {"b": [1, 2, {3, 4}]}})
+    assert "keyword argument 'value' of type builtins.dict" in str(raised.value)
+    assert "(kwargs['value']['a']['b'][2]: set)" in str(raised.value)
+    assert rows() == []
+
+
 def test_excluded_tasks_go_straight_to_the_broker(
     settings: Any, test_queue: str
 ) -> None:
