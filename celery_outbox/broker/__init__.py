@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kombu.utils.url import maybe_sanitize_url
+
 from ..conf import OutboxSettings
+from ..exceptions import OutboxConfigurationError
 from .base import Budget, FixedBudget, Publisher, describe, is_outage
 from .memory import InMemoryPublisher
 
@@ -18,15 +21,33 @@ __all__ = [
     "FixedBudget",
     "InMemoryPublisher",
     "Publisher",
+    "broker_driver",
     "build_publisher",
     "describe",
     "is_outage",
 ]
 
 
+def broker_driver(app: Any) -> str:
+    """The kombu driver of ``app``'s broker (``amqp``, ``redis``...), or a clear error.
+
+    kombu answers an unknown URL scheme with a ``KeyError`` deep in its registry.
+    """
+    try:
+        return str(app.connection_for_write().transport.driver_type)
+    except KeyError as exc:
+        url = maybe_sanitize_url(str(app.conf.broker_url))  # the password masked
+        raise OutboxConfigurationError(
+            f"The Celery broker URL {url!r} names no transport kombu knows "
+            f"({str(exc.args[0] if exc.args else exc).strip()}). Fix CELERY_BROKER_URL "
+            f"(app.conf.broker_url): e.g. 'amqp://user:password@host:5672//' or "
+            f"'redis://host:6379/0'."
+        ) from None
+
+
 def build_publisher(app: Any, settings: OutboxSettings) -> Publisher:
     """The publisher for ``app``'s broker, with timeouts that really bound each publish."""
-    driver = app.connection_for_write().transport.driver_type
+    driver = broker_driver(app)
 
     def resolve_queue(name: str) -> Any:
         try:

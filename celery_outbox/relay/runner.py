@@ -8,7 +8,7 @@ from typing import Any
 from django.db import connections
 
 from ..app import resolve_app
-from ..broker import Publisher, build_publisher
+from ..broker import Publisher, broker_driver, build_publisher
 from ..conf import OutboxSettings
 from ..contrib import library_in_use
 from ..contrib.logcontext import LogContextListener, structlog_available
@@ -45,7 +45,7 @@ def build_relay(
     broker = ""
     if publisher is None:
         app = resolve_app(settings)
-        broker = str(app.connection_for_write().transport.driver_type)
+        broker = broker_driver(app)
         # Flags such as --send-timeout also bound connecting and socket reads.
         publisher = build_publisher(
             app, dataclasses.replace(settings, send_timeout=config.send_timeout)
