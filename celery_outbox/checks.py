@@ -166,17 +166,18 @@ def check_skip_locked(
     ]
 
 
-@register("celery_outbox", Tags.database)
+@register("celery_outbox")
 def check_migrations(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
     """The outbox tables exist (W003) and celery_outbox's migrations are applied (W004).
 
-    Tagged ``database``: runs with ``manage.py check --database <alias>`` and before
-    ``migrate``, as Django's own database checks do.
+    Runs on a plain ``manage.py check`` too (a forgotten ``migrate celery_outbox``
+    is the commonest setup mistake); with ``--database``, only when the outbox
+    alias is among those asked for.
     """
     alias = _outbox_alias_or_none()
-    if alias is None or not databases or alias not in databases:
+    if alias is None or (databases is not None and alias not in databases):
         return []
     from django.db.migrations.executor import MigrationExecutor
 

@@ -8,13 +8,8 @@ from collections.abc import Iterator
 from django.db import DatabaseError, InterfaceError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from ..exceptions import (
-    OutboxDatabaseError,
-)
-from .dialects import (
-    Dialect,
-    dialect_for,
-)
+from ..exceptions import OutboxConfigurationError, OutboxDatabaseError
+from .dialects import DEAD_TABLE, MESSAGE_TABLE, Dialect, dialect_for
 
 #: The attribute of a Django connection object that holds its :class:`Dialect`.
 _DIALECT = "_celery_outbox_dialect"
@@ -50,6 +45,28 @@ class StoreBase:
         try:
             yield
         except (DatabaseError, InterfaceError) as exc:
+            missing = self._missing_tables()
+            if missing:
+                raise OutboxConfigurationError(
+                    f"table missing on outbox database {self.alias!r}: "
+                    f"{', '.join(missing)}. Run: python manage.py migrate "
+                    f"celery_outbox --database {self.alias}"
+                ) from exc
             raise OutboxDatabaseError(
                 f"outbox database {self.alias!r}: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _missing_tables(self) -> list[str]:
+        """The outbox tables the database lacks, when it can say (after an error).
+
+        Asked only outside a transaction: inside one, PostgreSQL refuses every
+        statement after an error.
+        """
+        connection = self.connection
+        if connection.in_atomic_block:
+            return []
+        try:
+            tables = set(connection.introspection.table_names())
+        except Exception:  # unreachable, or worse: the first error says enough
+            return []
+        return [table for table in (MESSAGE_TABLE, DEAD_TABLE) if table not in tables]

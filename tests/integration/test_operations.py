@@ -10,7 +10,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import transaction
+from django.db import connections, transaction
 from django.test import override_settings
 
 from celery_outbox.durations import parse_duration, parse_moment
@@ -559,3 +559,29 @@ def test_purge_all_deletes_every_dead_letter_whatever_its_age(on_alias: str) -> 
 def test_a_moment_too_far_back_is_refused_with_a_clear_error(when: str) -> None:
     with pytest.raises(CommandError, match=r"--since: .* too far back"):
         outbox("replay", "--since", when, "--dry-run")
+
+
+@pytest.fixture
+def unmigrated_sqlite() -> Iterator[str]:
+    """The SQLite alias with its outbox table moved away (autocommit DDL), then back."""
+    with connections["sqlite"].cursor() as cursor:
+        cursor.execute("ALTER TABLE celery_outbox_message RENAME TO hidden_outbox")
+    try:
+        with override_settings(CELERY_OUTBOX_DATABASE="sqlite"):
+            yield "sqlite"
+    finally:
+        with connections["sqlite"].cursor() as cursor:
+            cursor.execute("ALTER TABLE hidden_outbox RENAME TO celery_outbox_message")
+
+
+@pytest.mark.parametrize(
+    "command", [("stats",), ("health",), ("relay", "--until-empty")]
+)
+def test_commands_on_a_database_without_the_tables_say_to_migrate(
+    unmigrated_sqlite: str, command: tuple[str, ...]
+) -> None:
+    with pytest.raises(CommandError) as raised:
+        outbox(*command)
+    message = str(raised.value)
+    assert "table missing on outbox database 'sqlite': celery_outbox_message" in message
+    assert "python manage.py migrate celery_outbox --database sqlite" in message

@@ -120,6 +120,8 @@ class Command(BaseCommand):
         problems = []
         try:
             OutboxStore(alias).ping()
+        except OutboxConfigurationError as exc:  # reachable, but the tables are missing
+            problems.append(str(exc))
         except OutboxError as exc:
             problems.append(f"database {alias!r} unreachable: {exc}")
         app = resolve_app(settings)
