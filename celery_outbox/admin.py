@@ -43,14 +43,17 @@ def outbox_store() -> OutboxStore:
 def message_state(
     lease_token: str | None, available_at: datetime, attempts: int, now: datetime
 ) -> str:
-    """``due``, ``in flight``, ``waiting for retry`` or ``waiting`` (put back after an outage)."""
+    """``due``, ``in_flight``, ``retrying`` or ``deferred`` (put back after an outage).
+
+    The same names as ``outbox stats`` (text, JSON) and the metrics use.
+    """
     if available_at <= now:
         return "due"
     if lease_token:
-        return "in flight"
+        return "in_flight"
     if attempts > 0:
-        return "waiting for retry"
-    return "waiting"
+        return "retrying"
+    return "deferred"
 
 
 def format_age(seconds: float | None) -> str:
@@ -76,8 +79,9 @@ class StateFilter(admin.SimpleListFilter):
         """The states an operator can pick."""
         return [
             ("due", "due"),
-            ("in_flight", "in flight"),
-            ("retry", "waiting for retry"),
+            ("in_flight", "in_flight"),
+            ("retrying", "retrying"),
+            ("deferred", "deferred"),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -91,11 +95,18 @@ class StateFilter(admin.SimpleListFilter):
                 "QuerySet[Any]",
                 queryset.filter(lease_token__isnull=False, available_at__gt=now),
             )
-        if value == "retry":
+        if value == "retrying":
             return cast(
                 "QuerySet[Any]",
                 queryset.filter(
                     lease_token__isnull=True, attempts__gt=0, available_at__gt=now
+                ),
+            )
+        if value == "deferred":
+            return cast(
+                "QuerySet[Any]",
+                queryset.filter(
+                    lease_token__isnull=True, attempts=0, available_at__gt=now
                 ),
             )
         return queryset
@@ -248,7 +259,7 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
 
     @admin.display(description="state")
     def state(self, obj: OutboxMessage) -> str:
-        """Due, in flight, waiting for retry (or waiting after a broker outage)."""
+        """due, in_flight, retrying or deferred (see :func:`message_state`)."""
         return message_state(
             obj.lease_token, obj.available_at, obj.attempts, timezone.now()
         )

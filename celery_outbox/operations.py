@@ -76,7 +76,7 @@ def _stats_dict(summary: Summary, failures: TopFailures | None) -> dict[str, Any
         "in_flight": summary.in_flight,
         "dead": summary.dead,
         "oldest_pending_seconds": summary.oldest_pending_seconds,
-        "waiting_retry": summary.waiting_retry,
+        "retrying": summary.retrying,
         "backlog": [
             {
                 "task_name": group.task_name,
@@ -115,8 +115,8 @@ def _text(summary: Summary, failures: TopFailures | None) -> str:
     lines = [
         f"pending   {summary.pending}",
         f"due       {summary.due}",
-        f"retrying  {summary.waiting_retry}",
-        f"in flight {summary.in_flight}",
+        f"retrying  {summary.retrying}",
+        f"in_flight {summary.in_flight}",
         f"dead      {summary.dead}",
         f"oldest    {_seconds(summary.oldest_pending_seconds)}",
     ]
@@ -156,9 +156,9 @@ def _prometheus(summary: Summary, failures: TopFailures | None) -> str:
     gauge("pending", "Rows waiting in the outbox.", [("", summary.pending)])
     gauge("due", "Rows a relay may claim now.", [("", summary.due)])
     gauge(
-        "waiting_retry",
+        "retrying",
         "Refused rows waiting for their next attempt.",
-        [("", summary.waiting_retry)],
+        [("", summary.retrying)],
     )
     gauge("in_flight", "Rows leased to a relay.", [("", summary.in_flight)])
     gauge("dead", "Dead letters.", [("", summary.dead)])

@@ -126,7 +126,7 @@ class OperatorQueries(StoreBase):
         return Summary(
             pending=stats.pending,
             due=stats.due,
-            waiting_retry=int(waiting),
+            retrying=int(waiting),
             in_flight=stats.in_flight,
             dead=stats.dead,
             oldest_pending_seconds=stats.oldest_pending_seconds,

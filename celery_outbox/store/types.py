@@ -71,7 +71,7 @@ class Summary:
 
     pending: int
     due: int
-    waiting_retry: int
+    retrying: int
     in_flight: int
     dead: int
     oldest_pending_seconds: float | None

@@ -242,7 +242,7 @@ def cells(row: WebElement) -> list[str]:
 def summary(browser: WebDriver) -> dict[str, str]:
     return {
         cell_id: browser.find_element(By.ID, f"outbox-{cell_id}").text
-        for cell_id in ("pending", "due", "waiting-retry", "in-flight", "dead")
+        for cell_id in ("pending", "due", "retrying", "in-flight", "dead")
     }
 
 
@@ -261,7 +261,7 @@ def test_outbox_changelist_in_a_browser(
     assert summary(browser) == {
         "pending": "5",
         "due": "3",
-        "waiting-retry": "2",
+        "retrying": "2",
         "in-flight": "0",
         "dead": "2",
     }
@@ -282,7 +282,7 @@ def test_outbox_changelist_in_a_browser(
     for row in retrying:
         assert row[2] == "emails"  # queue
         assert row[3] == "1"  # attempts
-        assert row[6] == "waiting for retry"
+        assert row[6] == "retrying"
         assert row[7] == "NotFound: no queue 'emails'"
     due = [r for r in rows.values() if r[0] == "shop.record"]
     assert [(r[2], r[3], r[6], r[7]) for r in due] == [("celery", "0", "due", "-")] * 3
@@ -321,14 +321,14 @@ def test_retry_now_through_the_action_form(
     assert summary(browser) == {
         "pending": "5",
         "due": "4",
-        "waiting-retry": "1",
+        "retrying": "1",
         "in-flight": "0",
         "dead": "2",
     }
     rows = changelist_rows(browser)
     picked_task = OutboxMessage.objects.get(id=picked).task_id
     assert rows[picked_task][6] == "due"
-    assert rows[other.task_id][6] == "waiting for retry"
+    assert rows[other.task_id][6] == "retrying"
 
 
 def test_dead_letter_shows_decoded_arguments(

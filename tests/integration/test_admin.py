@@ -72,13 +72,13 @@ def test_changelist_shows_the_summary(admin_client: Client, store: OutboxStore) 
     html = page.content.decode()
     assert 'id="outbox-pending">3<' in html
     assert 'id="outbox-due">2<' in html
-    assert 'id="outbox-waiting-retry">1<' in html
+    assert 'id="outbox-retrying">1<' in html
     assert 'id="outbox-in-flight">0<' in html
     assert "<td>shop.add</td><td>other</td><td>1</td><td>1</td>" in html
     assert "<td>shop.record</td><td>celery</td><td>2</td><td>1</td>" in html
-    assert "waiting for retry" in html  # the state column
+    assert "retrying" in html  # the state column
     assert "NotFound: q" in html
-    filtered = admin_client.get(OUTBOX, {"state": "retry"}).content.decode()
+    filtered = admin_client.get(OUTBOX, {"state": "retrying"}).content.decode()
     assert "1 outbox message" in filtered
 
 

@@ -94,7 +94,7 @@ def test_summary_splits_the_backlog(alias: str) -> None:
     assert (
         summary.pending,
         summary.due,
-        summary.waiting_retry,
+        summary.retrying,
         summary.in_flight,
         summary.dead,
     ) == (3, 1, 1, 1, 1)
@@ -408,7 +408,7 @@ def test_stats_json_keeps_its_keys_and_adds_the_breakdown(on_alias: str) -> None
     assert {"pending", "due", "dead", "oldest_pending_seconds", "in_flight"} <= set(
         data
     )
-    assert (data["pending"], data["due"], data["dead"], data["waiting_retry"]) == (
+    assert (data["pending"], data["due"], data["dead"], data["retrying"]) == (
         2,
         1,
         1,
