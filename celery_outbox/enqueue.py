@@ -340,19 +340,21 @@ def encoded_mapping(
         ) from exc
 
 
-def unencodable_path(value: Any, path: str = "") -> str:
+def unencodable_path(value: Any, path: str = "", depth: int = 0) -> str:
     """Where in ``value`` the first value JSON cannot hold sits: ``['a']['b'][2]: set``."""
+    if depth > _MAX_PATH_DEPTH:
+        return f"{path}: nested deeper than {_MAX_PATH_DEPTH} levels"
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, (str, int, float, bool)) and key is not None:
                 return f"{path}[{key!r}] (its key): {type(key).__name__}"
-            found = unencodable_path(item, f"{path}[{key!r}]")
+            found = unencodable_path(item, f"{path}[{key!r}]", depth + 1)
             if found:
                 return found
         return ""
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            found = unencodable_path(item, f"{path}[{index}]")
+            found = unencodable_path(item, f"{path}[{index}]", depth + 1)
             if found:
                 return found
         return ""
@@ -361,6 +363,10 @@ def unencodable_path(value: Any, path: str = "") -> str:
     except (EncodeError, TypeError, ValueError, RecursionError):
         return f"{path}: {type(value).__name__}"
     return ""
+
+
+#: How deep :func:`unencodable_path` looks before it says "nested too deep".
+_MAX_PATH_DEPTH = 64
 
 
 def _find_unencodable(body: Any, serializer: str) -> str:
