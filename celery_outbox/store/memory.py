@@ -1,0 +1,216 @@
+"""An in-memory store: a real :class:`~.protocol.RelayStore` for tests without a database.
+
+It keeps the rules of :class:`~celery_outbox.store.OutboxStore` -- due rows claimed
+oldest first under a lease, every write fenced by the lease token, retries counting
+an attempt, dead letters keeping the message and the reason -- with time taken from
+an injected clock, so a test can move past a lease or a backoff without sleeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ..envelope import Envelope, StoredMessage
+from ..outcomes import Decision, Settlement
+from .types import Claim, SettleReport
+
+#: The longest error text kept, as the database columns keep it.
+ERROR_LIMIT = 4000
+
+
+@dataclass(frozen=True)
+class Row:
+    """One outbox row: the message and its delivery state."""
+
+    id: int
+    envelope: Envelope
+    created_at: float
+    #: When the row is next due: after its lease, or its retry or release delay.
+    available_at: float
+    attempts: int = 0
+    last_error: str = ""
+    #: The token of the last claim; cleared by a retry or a release.
+    lease_token: str | None = None
+
+
+@dataclass(frozen=True)
+class DeadRow:
+    """A dead letter: the message, the attempts it used and why it died."""
+
+    original_id: int
+    envelope: Envelope
+    attempts: int
+    last_error: str
+    dead_at: float
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """What the relay loop still asks of ``store.dialect`` (until it asks the store)."""
+
+    concurrent_claims: bool
+
+
+class InMemoryStore:
+    """Outbox rows in a dict, behind a lock: the relay claims on a second thread too."""
+
+    #: Claims may run on several threads at once, as on PostgreSQL.
+    concurrent_claims = True
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, alias: str = "memory"
+    ) -> None:
+        """``clock`` gives the time of leases and delays; ``alias`` names the store in logs."""
+        self.clock = clock
+        self.alias = alias
+        self._rows: dict[int, Row] = {}
+        self._dead: list[DeadRow] = []
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    @property
+    def dialect(self) -> _Dialect:
+        """For a relay loop that reads ``store.dialect.concurrent_claims``."""
+        return _Dialect(self.concurrent_claims)
+
+    # -- enqueue ---------------------------------------------------------------
+
+    def add(self, envelopes: Iterable[Envelope]) -> list[int]:
+        """Enqueue messages as a committed transaction would; their new ids, in order."""
+        with self._lock:
+            now = self.clock()
+            ids = []
+            for envelope in envelopes:
+                row = Row(self._next_id, envelope, created_at=now, available_at=now)
+                self._rows[row.id] = row
+                self._next_id += 1
+                ids.append(row.id)
+            return ids
+
+    # -- RelayStore ------------------------------------------------------------
+
+    def relay_lock(self) -> AbstractContextManager[None]:
+        """Nothing to hold: several relays may share an in-memory store."""
+        return contextlib.nullcontext()
+
+    def claim(
+        self, limit: int, lease_seconds: float, *, task_ids: Sequence[str] = ()
+    ) -> Claim:
+        """Lease up to ``limit`` due rows, oldest due first (ties: lowest id)."""
+        token = uuid.uuid4().hex
+        wanted = frozenset(task_ids)
+        with self._lock:
+            now = self.clock()
+            due = sorted(
+                (
+                    row
+                    for row in self._rows.values()
+                    if row.available_at <= now
+                    and (not wanted or row.envelope.task_id in wanted)
+                ),
+                key=lambda row: (row.available_at, row.id),
+            )[:limit]
+            leased = [
+                replace(row, available_at=now + lease_seconds, lease_token=token)
+                for row in due
+            ]
+            for row in leased:
+                self._rows[row.id] = row
+        # Handed out in id order, as OutboxStore does.
+        messages = tuple(
+            StoredMessage(row.id, row.attempts, row.envelope, now - row.created_at)
+            for row in sorted(leased, key=lambda row: row.id)
+        )
+        return Claim(token, messages)
+
+    def settle(self, token: str, settlement: Settlement) -> SettleReport:
+        """Apply a batch's decisions to the rows ``token`` still holds."""
+        with self._lock:
+            now = self.clock()
+            deleted = sum(
+                self._take(token, row_id) is not None for row_id in settlement.delete
+            )
+            retried = sum(self._requeue(token, d, now, 1) for d in settlement.retry)
+            released = sum(self._requeue(token, d, now, 0) for d in settlement.release)
+            dead = sum(self._bury(token, d, now) for d in settlement.dead_letter)
+        return SettleReport(deleted, retried, dead, released)
+
+    def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:
+        """Extend the lease of those of ``ids`` that ``token`` still holds."""
+        with self._lock:
+            now = self.clock()
+            renewed = 0
+            for row_id in ids:
+                row = self._held(token, row_id)
+                if row is not None:
+                    self._rows[row_id] = replace(row, available_at=now + lease_seconds)
+                    renewed += 1
+            return renewed
+
+    def reset_connection(self) -> None:
+        """No connection to drop."""
+
+    # -- inspection ------------------------------------------------------------
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        """Every row still in the outbox, by id."""
+        with self._lock:
+            return tuple(sorted(self._rows.values(), key=lambda row: row.id))
+
+    @property
+    def dead(self) -> tuple[DeadRow, ...]:
+        """The dead letters, in the order they died."""
+        with self._lock:
+            return tuple(self._dead)
+
+    def pending(self) -> int:
+        """How many rows are in the outbox, due, leased or waiting for a retry."""
+        with self._lock:
+            return len(self._rows)
+
+    # -- internals (called with the lock held) ---------------------------------
+
+    def _held(self, token: str, row_id: int) -> Row | None:
+        row = self._rows.get(row_id)
+        return row if row is not None and row.lease_token == token else None
+
+    def _take(self, token: str, row_id: int) -> Row | None:
+        row = self._held(token, row_id)
+        if row is not None:
+            del self._rows[row_id]
+        return row
+
+    def _requeue(self, token: str, decision: Decision, now: float, used: int) -> bool:
+        row = self._held(token, decision.message_id)
+        if row is None:
+            return False
+        self._rows[row.id] = replace(
+            row,
+            attempts=row.attempts + used,
+            last_error=decision.error[:ERROR_LIMIT],
+            available_at=now + decision.delay,
+            lease_token=None,
+        )
+        return True
+
+    def _bury(self, token: str, decision: Decision, now: float) -> bool:
+        row = self._take(token, decision.message_id)
+        if row is None:
+            return False
+        error = decision.error[:ERROR_LIMIT]
+        self._dead.append(DeadRow(row.id, row.envelope, row.attempts + 1, error, now))
+        return True
+
+
+if TYPE_CHECKING:  # mypy checks here that the fake implements the interface
+    from .protocol import RelayStore
+
+    _conforms: type[RelayStore] = InMemoryStore

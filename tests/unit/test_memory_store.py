@@ -1,0 +1,80 @@
+"""The store contract against InMemoryStore, on a fake clock: no database, no sleeping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from celery_outbox.envelope import Envelope
+from celery_outbox.store.memory import InMemoryStore
+
+from ..contract.store_contract import DeadView, StoreContract
+from ..integration.builders import envelope
+from .fakes import FakeClock
+
+
+class MemoryHarness:
+    """An InMemoryStore whose time moves only when a test waits."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.store = InMemoryStore(self.clock)
+
+    def enqueue(self, envelopes: Sequence[Envelope]) -> None:
+        self.store.add(envelopes)
+
+    def wait(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    def pending(self) -> int:
+        return self.store.pending()
+
+    def state(self, row_id: int) -> tuple[int, str]:
+        (row,) = [r for r in self.store.rows if r.id == row_id]
+        return row.attempts, row.last_error
+
+    def dead_letters(self) -> list[DeadView]:
+        return [
+            DeadView(
+                d.original_id,
+                d.envelope.task_id,
+                d.envelope.body,
+                d.attempts,
+                d.last_error,
+            )
+            for d in self.store.dead
+        ]
+
+
+@pytest.fixture
+def harness() -> MemoryHarness:
+    return MemoryHarness()
+
+
+class TestInMemoryStore(StoreContract):
+    """Everything the relay relies on, kept in memory."""
+
+
+def test_ids_increase_and_rows_start_due_with_no_attempt() -> None:
+    clock = FakeClock()
+    store = InMemoryStore(clock)
+    assert store.add([envelope("a")]) + store.add([envelope("b"), envelope("c")]) == [
+        1,
+        2,
+        3,
+    ]
+    assert [(r.attempts, r.available_at, r.lease_token) for r in store.rows] == [
+        (0, clock(), None)
+    ] * 3
+
+
+def test_a_lease_ends_exactly_after_its_seconds() -> None:
+    clock = FakeClock()
+    store = InMemoryStore(clock)
+    store.add([envelope("a")])
+    store.claim(10, 5.0)
+    clock.advance(4.5)
+    assert store.claim(10, 5.0).messages == ()
+    clock.advance(0.5)
+    assert len(store.claim(10, 5.0).messages) == 1

@@ -1,0 +1,197 @@
+"""The real relay loop with no database and no broker: InMemoryStore, InMemoryPublisher.
+
+Time is a fake clock that the relay's waiter moves on instead of sleeping, and that
+the tests move past leases, backoffs and cooldowns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_outbox.broker import InMemoryPublisher
+from celery_outbox.envelope import StoredMessage
+from celery_outbox.outcomes import Outcome, PublishResult, Settlement
+from celery_outbox.relay.config import RelayConfig
+from celery_outbox.relay.core import RetryPolicy
+from celery_outbox.relay.events import (
+    BatchSettled,
+    BreakerOpened,
+    RelayEvent,
+    StopReason,
+)
+from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.store.memory import InMemoryStore
+
+from ..integration.builders import envelope
+from .fakes import FakeClock, FakeWaiter
+
+POLICY = RetryPolicy(
+    max_attempts=3, base_seconds=1.0, max_seconds=4.0, outage_cooldown=20.0
+)
+REFUSED = "PreconditionFailed: body too large"
+
+
+class World:
+    """A relay wired to in-memory parts, and what it told its listeners."""
+
+    def __init__(self, publisher: InMemoryPublisher | None = None, **config: Any):
+        self.clock = FakeClock()
+        self.store = InMemoryStore(self.clock)
+        self.publisher = publisher or InMemoryPublisher()
+        self.events: list[RelayEvent] = []
+        values: dict[str, Any] = {
+            "batch_size": 10,
+            "lease_seconds": 30.0,
+            "poll_interval": 1.0,
+            "send_timeout": 10.0,
+            "policy": POLICY,
+            "breaker_threshold": 2,
+            **config,
+        }
+        relay_config = RelayConfig(**values)
+        relay_config.validate()
+        self.relay = Relay(
+            self.store,
+            self.publisher,
+            relay_config,
+            clock=self.clock,
+            random_source=lambda: 0.5,  # backoffs exactly 3/4 of their ceiling
+            waiter=FakeWaiter(self.clock),
+            listeners=[self.events.append],
+        )
+
+    def enqueue(self, *tags: str) -> list[str]:
+        envelopes = [envelope(tag) for tag in tags]
+        self.store.add(envelopes)
+        return [e.task_id for e in envelopes]
+
+    def published(self) -> list[str]:
+        return [e.task_id for e in self.publisher.published]
+
+
+def refuse(prefix: str) -> Any:
+    """A broker that refuses every message whose task id starts with ``prefix``."""
+
+    def behaviour(message: StoredMessage) -> PublishResult | None:
+        if message.envelope.task_id.startswith(prefix):
+            return PublishResult(message.id, Outcome.FAILED, REFUSED)
+        return None
+
+    return behaviour
+
+
+def test_everything_is_published_in_order_and_deleted() -> None:
+    world = World(until_empty=True)
+    sent = world.enqueue(*[f"t{n}" for n in range(25)])
+    assert world.relay.run() is StopReason.EMPTY
+    assert world.published() == sent
+    assert world.store.pending() == 0
+    assert world.store.dead == ()
+    batches = [e for e in world.events if isinstance(e, BatchSettled)]
+    assert [(b.claimed, b.report.deleted) for b in batches] == [
+        (10, 10),
+        (10, 10),
+        (5, 5),
+    ]
+
+
+def test_a_refused_message_is_retried_with_backoff_then_dead_lettered() -> None:
+    world = World(InMemoryPublisher(refuse("poison")))
+    good = world.enqueue("good-1")
+    poison = world.enqueue("poison")
+    good += world.enqueue("good-2")
+
+    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.published() == good  # the refusal held nothing up
+    (row,) = world.store.rows
+    # Retry 1 of base 1 s: a ceiling of 1 s, of which the jitter of 0.5 takes 3/4.
+    assert (row.attempts, row.last_error) == (1, REFUSED)
+    assert row.available_at == world.clock() + 0.75
+
+    world.clock.advance(0.5)
+    assert world.relay.run_once() is Cycle.EMPTY  # not due yet
+    world.clock.advance(0.25)
+    assert world.relay.run_once() is Cycle.PARTIAL
+    (row,) = world.store.rows
+    assert row.attempts == 2
+    assert row.available_at == world.clock() + 1.5  # the ceiling doubled
+
+    world.clock.advance(1.5)
+    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.store.pending() == 0
+    (dead,) = world.store.dead
+    assert (dead.envelope.task_id, dead.attempts, dead.last_error) == (
+        poison[0],
+        3,
+        REFUSED,
+    )
+    assert world.published() == good
+
+
+def test_an_outage_releases_rows_without_an_attempt_and_opens_the_breaker() -> None:
+    world = World()
+    sent = world.enqueue("a", "b")
+    world.publisher.down = True
+
+    assert world.relay.run_once() is Cycle.PARTIAL
+    assert [(r.attempts, r.available_at) for r in world.store.rows] == [
+        (0, world.clock() + POLICY.outage_cooldown)
+    ] * 2
+    assert "down" in world.store.rows[0].last_error
+    assert not any(isinstance(e, BreakerOpened) for e in world.events)
+
+    world.clock.advance(POLICY.outage_cooldown)
+    assert world.relay.run_once() is Cycle.PARTIAL  # the second outage in a row
+    assert [r.attempts for r in world.store.rows] == [0, 0]
+    assert [e for e in world.events if isinstance(e, BreakerOpened)] == [
+        BreakerOpened(POLICY.outage_cooldown)
+    ]
+
+    world.publisher.down = False
+    world.clock.advance(POLICY.outage_cooldown - 1)
+    assert world.relay.run_once() is Cycle.PAUSED  # open: nothing is claimed
+    world.clock.advance(1)
+    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.published() == sent
+    assert world.store.pending() == 0
+    assert world.store.dead == ()
+
+
+def test_rows_of_a_crashed_relay_are_claimed_again_once_its_lease_ends() -> None:
+    world = World()
+    sent = world.enqueue("a", "b")
+    crashed = world.store.claim(10, 30.0)  # and never settles
+
+    assert world.relay.run_once() is Cycle.EMPTY
+    assert world.published() == []
+    world.clock.advance(30.0)
+    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.published() == sent
+    assert world.store.pending() == 0
+    # Whatever the crashed relay writes if it ever comes back is fenced off.
+    ids = tuple(m.id for m in crashed.messages)
+    assert world.store.settle(crashed.token, Settlement(delete=ids)).deleted == 0
+
+
+def test_a_stop_mid_batch_hands_the_unsent_rows_back_without_an_attempt() -> None:
+    world = World()
+
+    def stop_after_first(message: StoredMessage) -> PublishResult | None:
+        world.relay.stop()
+        return None
+
+    world.publisher.behaviour = stop_after_first
+    sent = world.enqueue("a", "b", "c")
+    assert world.relay.run() is StopReason.SIGNAL
+    assert world.published() == sent[:1]
+    assert [(r.attempts, r.available_at, r.lease_token) for r in world.store.rows] == [
+        (0, world.clock(), None)
+    ] * 2
+
+
+def test_prefetching_on_a_second_thread_publishes_each_row_once_in_order() -> None:
+    world = World(batch_size=5, prefetch=True, until_empty=True)
+    sent = world.enqueue(*[f"t{n}" for n in range(23)])
+    assert world.relay.run() is StopReason.EMPTY
+    assert world.published() == sent
+    assert world.store.pending() == 0
