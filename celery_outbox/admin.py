@@ -8,6 +8,7 @@ from the stored body and passed through ``CELERY_OUTBOX_REDACTOR`` before displa
 
 from __future__ import annotations
 
+import json
 import pprint
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -172,7 +173,12 @@ class MessageAdminMixin:
             for key, value in _headers(obj).items()
             if key not in ARGUMENT_HEADERS
         }
-        return format_html("<pre>{}</pre>", pprint.pformat(headers, width=100))
+        return format_html("<pre>{}</pre>", _formatted_json(headers))
+
+    @admin.display(description="properties")
+    def shown_properties(self, obj: MessageFields) -> SafeString:
+        """The message's AMQP properties, as stored."""
+        return format_html("<pre>{}</pre>", _formatted_json(_stored(obj.properties)))
 
     def _log_changed(
         self, request: HttpRequest, objects: Iterable[Model], message: str
@@ -182,11 +188,21 @@ class MessageAdminMixin:
 
 
 def _headers(obj: MessageFields) -> dict[str, Any]:
+    return _stored(obj.headers)
+
+
+def _stored(text: str) -> dict[str, Any]:
+    """A stored JSON object (headers, properties); empty when it is not one."""
     try:
-        loaded = load_json(obj.headers)
+        loaded = load_json(text)
     except ValueError:
         return {}
     return dict(loaded) if isinstance(loaded, dict) else {}
+
+
+def _formatted_json(value: dict[str, Any]) -> str:
+    """Indented JSON, keys sorted; dates, UUIDs and decimals as their text."""
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
 
 
 def _picked(
@@ -253,6 +269,7 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
         "content_type",
         "content_encoding",
         "shown_headers",
+        "shown_properties",
     )
     readonly_fields = fields
     actions = ("retry_now", "move_to_dead_letters")
@@ -345,6 +362,7 @@ class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type
         "content_type",
         "content_encoding",
         "shown_headers",
+        "shown_properties",
     )
     readonly_fields = fields
     actions = ("replay", "delete_dead_letters")

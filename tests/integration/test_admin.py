@@ -108,6 +108,28 @@ def test_detail_shows_decoded_arguments(
         assert "hunter2" in html
 
 
+def test_detail_shows_headers_and_properties_as_formatted_json(
+    admin_client: Client, store: OutboxStore
+) -> None:
+    (row,) = add(
+        store,
+        "json",
+        headers={"task": "shop.record", "retries": 0, "origin": "gen1@web"},
+        properties={"priority": 5, "correlation_id": "c-1"},
+    )
+    html = admin_client.get(f"{OUTBOX}{row}/change/").content.decode()
+    # Indented JSON with sorted keys, HTML-escaped: not a Python repr.
+    assert (
+        "{\n  &quot;origin&quot;: &quot;gen1@web&quot;,\n  &quot;retries&quot;: 0,"
+        in html
+    )
+    assert (
+        "&quot;correlation_id&quot;: &quot;c-1&quot;,\n  &quot;priority&quot;: 5"
+        in html
+    )
+    assert "'origin'" not in html
+
+
 @override_settings(CELERY_OUTBOX_REDACTOR="tests.integration.redactors.hide_passwords")
 def test_detail_redacts_arguments(admin_client: Client, store: OutboxStore) -> None:
     add(
