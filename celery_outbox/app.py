@@ -36,6 +36,10 @@ class OutboxCelery(Celery):
     publishes the row once the transaction has committed.
     """
 
+    #: Celery's ``DjangoTask`` plus the opt-in inbox (``@app.task(inbox=True)``); a
+    #: no-op for tasks that do not use it. A ``task_cls=`` argument still wins.
+    task_cls = "celery_outbox.inbox.task:InboxTask"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._outbox_enqueuer = Enqueuer(on_commit=self._publish_after_commit)

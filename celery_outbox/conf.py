@@ -64,6 +64,12 @@ class OutboxSettings:
     log_context: bool = True
     #: Which context variables to capture; None captures all of them.
     log_context_keys: tuple[str, ...] | None = None
+    #: Run every task through the inbox (``celery_outbox.inbox``) unless it says ``inbox=False``.
+    inbox: bool = False
+    #: Alias of the inbox table and of the transaction tasks run in; None: the outbox's.
+    inbox_database: str | None = None
+    #: Seconds an inbox row is kept before ``celery_outbox.inbox.purge`` deletes it (7 days).
+    inbox_retention: float = 7 * 86400.0
 
 
 _FIELDS = {
@@ -89,6 +95,9 @@ _FIELDS = {
     "REDACTOR": "redactor",
     "LOG_CONTEXT": "log_context",
     "LOG_CONTEXT_KEYS": "log_context_keys",
+    "INBOX": "inbox",
+    "INBOX_DATABASE": "inbox_database",
+    "INBOX_RETENTION": "inbox_retention",
 }
 
 #: Settings that earlier versions read and this one ignores, with what to do instead.
@@ -194,7 +203,7 @@ def _validated(field: str, value: Any) -> Any:
     name = next(n for n, f in _FIELDS.items() if f == field)
     if field == "statsd_address":
         return _address(name, value)
-    if field in {"app", "database", "redactor"}:
+    if field in {"app", "database", "redactor", "inbox_database"}:
         if value is not None and (not isinstance(value, str) or not value):
             raise OutboxConfigurationError(
                 f"{PREFIX}{name} must be a non-empty string or None, got {value!r}."
@@ -209,6 +218,13 @@ def _validated(field: str, value: Any) -> Any:
                 f"{PREFIX}{name} must be one of {choices}, got {value!r}."
             ) from None
     if field == "dead_letter_retention":
+        return _retention(name, value)
+    if field == "inbox_retention":
+        if value is None or value == math.inf:
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be a finite duration such as '7d', got {value!r}: "
+                f"an inbox kept forever grows without bound."
+            )
         return _retention(name, value)
     if field == "exclude_tasks":
         return _str_tuple(
@@ -225,6 +241,7 @@ def _validated(field: str, value: Any) -> Any:
         "publish_on_commit",
         "prefetch",
         "log_context",
+        "inbox",
     }:
         if not isinstance(value, bool):
             raise OutboxConfigurationError(

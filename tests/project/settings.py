@@ -29,6 +29,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "celery_outbox",
+    "celery_outbox.inbox",
     "tests.project.shop",
 ]
 MIDDLEWARE = [

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from celery import shared_task
 from django.db import transaction
+from django.dispatch import receiver
+
+from celery_outbox.inbox.signals import duplicate_skipped
 
 from .models import TaskRun
 
 
-def _record(task: Any, tag: str, value: Any = "") -> None:
-    TaskRun.objects.create(
-        task_id=task.request.id, task_name=task.name, tag=str(tag), value=repr(value)
+def _record(task: Any, tag: str, value: Any = "", using: str = "default") -> None:
+    TaskRun.objects.using(using).create(
+        task_id=task.request.id or "",
+        task_name=task.name,
+        tag=str(tag),
+        value=repr(value),
     )
 
 
@@ -77,4 +85,63 @@ def spawn_child(self: Any, tag: str, atomic: bool = False) -> str:
     with transaction.atomic():
         trace.delay(f"{tag}-child")
         _record(self, tag)
+    return tag
+
+
+# Inbox tasks: their TaskRun row commits with the inbox row, so a duplicate delivery
+# leaves no second row. A skipped delivery is recorded apart (DUPLICATE_TASK_NAME).
+
+#: ``TaskRun.task_name`` of the row written for each delivery the inbox skipped.
+DUPLICATE_TASK_NAME = "inbox.duplicate-skipped"
+
+
+@receiver(duplicate_skipped)
+def _record_skip(*, task_id: str, key: str, using: str, **_: Any) -> None:
+    TaskRun.objects.using(using).create(
+        task_id=task_id,
+        task_name=DUPLICATE_TASK_NAME,
+        tag=f"skip:{key}"[:255],
+        value=repr(os.getpid()),
+    )
+
+
+@shared_task(bind=True, name="shop.inbox_record", inbox=True)
+def inbox_record(self: Any, tag: str, value: Any = None, using: str = "default") -> str:
+    _record(self, tag, value, using)
+    return str(tag)
+
+
+@shared_task(bind=True, name="shop.record_on")
+def record_on(self: Any, tag: str, value: Any = None, using: str = "default") -> str:
+    """``shop.inbox_record`` without the inbox, in a transaction of its own."""
+    with transaction.atomic(using=using):
+        _record(self, tag, value, using)
+    return str(tag)
+
+
+@shared_task(bind=True, name="shop.inbox_slow", inbox=True)
+def inbox_slow(self: Any, tag: str, seconds: float, using: str = "default") -> str:
+    """Record, then hold the inbox transaction open for ``seconds``."""
+    _record(self, tag, os.getpid(), using)
+    time.sleep(seconds)
+    return tag
+
+
+class Flaky(Exception):
+    """Raised by ``shop.inbox_flaky`` on its first two runs."""
+
+
+@shared_task(
+    bind=True,
+    name="shop.inbox_flaky",
+    inbox=True,
+    autoretry_for=(Flaky,),
+    max_retries=3,
+    default_retry_delay=0.1,
+)
+def inbox_flaky(self: Any, tag: str) -> str:
+    """Write an effect on every run, and fail the first two: only the third commits."""
+    _record(self, tag, self.request.retries)
+    if self.request.retries < 2:
+        raise Flaky(f"run {self.request.retries}")
     return tag

@@ -1,0 +1,104 @@
+"""System checks of the inbox (``celery_outbox_inbox.E001`` / ``W001``).
+
+E001 a task says ``inbox=True`` but is not an ``InboxTask`` (the option would do nothing).
+W001 ``CELERY_OUTBOX_INBOX_RETENTION`` is shorter than the time within which a second
+delivery of a message can still arrive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from django.core.checks import CheckMessage, Error, Warning, register
+
+from ..conf import OutboxSettings, get_settings
+from ..exceptions import OutboxConfigurationError
+
+#: Celery's default ``visibility_timeout`` of the Redis and SQS transports (seconds).
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+
+
+def relay_horizon(settings: OutboxSettings) -> float:
+    """Longest time between a publish and its re-publish by the relay.
+
+    A publish whose confirm was lost is retried after the lease, then with backoff, up
+    to ``MAX_ATTEMPTS`` times.
+    """
+    backoff = sum(
+        min(settings.retry_base_seconds * 2**n, settings.retry_max_seconds)
+        for n in range(settings.max_attempts)
+    )
+    return float(settings.lease_seconds + backoff)
+
+
+def retry_horizon(task: Any) -> float:
+    """Longest time a task's own retries may take (same message id, later delivery)."""
+    retries = task.max_retries or 0
+    delay = float(task.default_retry_delay or 0)
+    if getattr(task, "retry_backoff", False):
+        delay = max(delay, float(getattr(task, "retry_backoff_max", 600) or 0))
+    return float(retries) * delay
+
+
+def redelivery_horizon(
+    settings: OutboxSettings, app: Any, inbox_tasks: Iterable[Any]
+) -> tuple[float, str]:
+    """The longest time after which a duplicate can still arrive, and what sets it."""
+    candidates = [(relay_horizon(settings), "the relay's lease and retry backoff")]
+    if str(app.conf.broker_url or "").startswith(("redis", "rediss", "sqs")):
+        timeout = (app.conf.broker_transport_options or {}).get(
+            "visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT
+        )
+        candidates.append((float(timeout), "the broker's visibility_timeout"))
+    for task in inbox_tasks:
+        candidates.append((retry_horizon(task), f"the retries of {task.name}"))
+    return max(candidates)
+
+
+def _app_and_tasks() -> tuple[Any, list[Any]] | None:
+    from ..app import resolve_app
+
+    try:
+        app = resolve_app(get_settings())
+    except OutboxConfigurationError:
+        return None  # celery_outbox.E001/E004 report it
+    return app, list(app.tasks.values())
+
+
+@register("celery_outbox")
+def check_inbox(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Inbox options reach an ``InboxTask``; retention outlives redeliveries."""
+    found = _app_and_tasks()
+    if found is None:
+        return []
+    app, tasks = found
+    from .task import InboxTask
+
+    messages: list[CheckMessage] = [
+        Error(
+            f"Task {task.name} says inbox=True but its class {type(task).__name__} is "
+            f"not an InboxTask, so its deliveries are not deduplicated.",
+            hint="Derive your task class (base= or the app's task_cls) from "
+            "celery_outbox.inbox.InboxTask.",
+            id="celery_outbox_inbox.E001",
+        )
+        for task in tasks
+        if getattr(task, "inbox", None) and not isinstance(task, InboxTask)
+    ]
+    inbox_tasks = [t for t in tasks if isinstance(t, InboxTask) and t.uses_inbox()]
+    if not inbox_tasks:
+        return messages
+    settings = get_settings()
+    horizon, reason = redelivery_horizon(settings, app, inbox_tasks)
+    if settings.inbox_retention < horizon:
+        messages.append(
+            Warning(
+                f"CELERY_OUTBOX_INBOX_RETENTION ({settings.inbox_retention:.0f} s) is "
+                f"shorter than {reason} ({horizon:.0f} s): a duplicate arriving after "
+                f"its inbox row was purged would run again.",
+                hint=f"Keep inbox rows for at least {horizon:.0f} s.",
+                id="celery_outbox_inbox.W001",
+            )
+        )
+    return messages
