@@ -57,12 +57,17 @@ class OutboxMessage(MessageFields):
 
     ``available_at`` is when the row may next be claimed: a claim moves it to the end
     of the lease, a failure to the next retry. ``lease_token`` is set while a relay
-    holds the row; every write after the claim is fenced by it.
+    holds the row; every write after the claim is fenced by it. ``holder`` names the
+    relay (:class:`RelayHeartbeat`) whose claim holds the row: once that relay stops
+    beating, another one ends the lease early instead of waiting it out.
     """
 
     id = models.BigAutoField(primary_key=True)
     available_at = models.DateTimeField()
     lease_token = models.CharField(max_length=32, null=True, blank=True)
+    #: NULL for rows claimed by publish-on-commit or by an older version: those
+    #: keep the lease-only behaviour. Deliberately not indexed (see the migration).
+    holder = models.CharField(max_length=32, null=True, blank=True)
 
     class Meta:
         db_table = "celery_outbox_message"
@@ -86,3 +91,23 @@ class DeadLetter(MessageFields):
         indexes = [
             models.Index(fields=["task_id"], name="celery_outbox_dead_task_idx"),
         ]
+
+
+class RelayHeartbeat(models.Model):
+    """A running relay: it writes ``seen_at`` (database clock) every few seconds.
+
+    A relay whose row is older than a few intervals is taken for dead (killed,
+    its host lost): the leases of the rows it holds are ended at once, so another
+    relay publishes them again without waiting for the lease to run out.
+    """
+
+    id = models.CharField(primary_key=True, max_length=32)
+    name = models.CharField(max_length=255, blank=True, default="")
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "celery_outbox_relay"
+        verbose_name = "relay heartbeat"
+
+    def __str__(self) -> str:
+        return f"{self.name or self.id} (seen {self.seen_at})"

@@ -31,6 +31,9 @@ class RelayConfig:
     prefetch: bool = False
     #: A row in flight when this many connections broke is next sent alone.
     isolate_after: int = 1
+    #: How often the relay writes its heartbeat; one silent for three intervals is
+    #: taken for dead and its leased rows are claimed again at once.
+    heartbeat_interval: float = 1.5
 
     @classmethod
     def from_settings(cls, settings: OutboxSettings, **overrides: Any) -> RelayConfig:
@@ -70,6 +73,7 @@ class RelayConfig:
             "shutdown timeout": self.shutdown_timeout,
             "max attempts": self.policy.max_attempts,
             "isolate after": self.isolate_after,
+            "heartbeat interval": self.heartbeat_interval,
         }
         for name, value in numbers.items():
             if value <= 0:

@@ -36,6 +36,7 @@ from .events import (
     guarded,
     log_event,
 )
+from .heartbeat import Heartbeat
 from .waiter import Waiter
 
 logger = logging.getLogger("celery_outbox.relay")
@@ -81,6 +82,7 @@ class Relay:
         listeners: Sequence[Listener] = (log_event,),
         wakeup: WakeupSource | None = None,
         batch_hooks: Sequence[BatchHook] = (),
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
@@ -102,6 +104,9 @@ class Relay:
         #: Set while :meth:`run` runs with ``config.prefetch`` on a database that
         #: takes concurrent claims.
         self._prefetcher: _Prefetcher | None = None
+        #: Beats while :meth:`run` runs, so that a killed relay's rows are taken
+        #: over by the others long before their lease ends.
+        self.heartbeat = heartbeat
 
     def stop(self) -> None:
         """Ask the loop to finish the current batch and return; safe in a signal handler.
@@ -125,10 +130,16 @@ class Relay:
             logger.info("relay started (database %r)", self.store.alias)
             if self.config.prefetch and self.store.dialect.concurrent_claims:
                 self._prefetcher = _Prefetcher(self.store, self.clock)
+            if self.heartbeat is not None:
+                self.heartbeat.start()
             try:
                 reason = self._loop()
             finally:
-                self._close_prefetcher()
+                try:
+                    self._close_prefetcher()
+                finally:
+                    if self.heartbeat is not None:
+                        self.heartbeat.stop()
         self.publisher.close()
         if self.wakeup is not None:
             self.wakeup.close()

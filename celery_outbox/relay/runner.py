@@ -19,8 +19,10 @@ from ..signals import send_relay_signals
 from ..store import OutboxStore
 from .config import RelayConfig
 from .events import Listener, TracingHook, log_event
+from .heartbeat import Heartbeat, new_relay_id
 from .listener import PgNotifyListener
 from .loop import Relay
+from .waiter import Waiter
 
 
 def build_relay(
@@ -39,7 +41,7 @@ def build_relay(
     """
     config = RelayConfig.from_settings(settings, **overrides)
     alias = outbox_alias(settings)
-    store = OutboxStore(alias)
+    store = OutboxStore(alias, holder=new_relay_id())
     store.dialect  # noqa: B018 - refuses an unsupported database before the loop starts
     store.ping()  # a clear error now if the database or the outbox tables are missing
     broker = ""
@@ -69,13 +71,18 @@ def build_relay(
     listeners.extend(batch_hooks)
     if settings.log_context and structlog_available():
         listeners.append(LogContextListener())
+    waiter = Waiter()
+    # Rows taken over from a dead relay are due now: the loop claims them at once.
+    heartbeat = Heartbeat(store, config.heartbeat_interval, on_takeover=waiter.wake)
     return Relay(
         store,
         publisher,
         config,
+        waiter=waiter,
         wakeup=wakeup,
         listeners=listeners,
         batch_hooks=batch_hooks,
+        heartbeat=heartbeat,
     )
 
 

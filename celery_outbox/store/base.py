@@ -16,10 +16,15 @@ _DIALECT = "_celery_outbox_dialect"
 
 
 class StoreBase:
-    """The outbox tables on one database alias."""
+    """The outbox tables on one database alias.
 
-    def __init__(self, alias: str) -> None:
+    ``holder`` is the heartbeat id of the relay this store claims for (see
+    :mod:`.relays`); None claims without one (publish-on-commit, commands).
+    """
+
+    def __init__(self, alias: str, *, holder: str | None = None) -> None:
         self.alias = alias
+        self.holder = holder
 
     @property
     def connection(self) -> BaseDatabaseWrapper:

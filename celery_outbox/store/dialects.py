@@ -16,6 +16,7 @@ from .notify import CHANNEL
 
 MESSAGE_TABLE = "celery_outbox_message"
 DEAD_TABLE = "celery_outbox_deadletter"
+RELAY_TABLE = "celery_outbox_relay"
 
 #: Columns copied verbatim between the outbox and the dead-letter table.
 MESSAGE_COLUMNS = (
@@ -110,17 +111,20 @@ class Dialect:
         lease_seconds: float,
         token: str,
         task_ids: Sequence[str] = (),
+        holder: str | None = None,
     ) -> list[Sequence[Any]]:
         """Lease up to ``limit`` due rows to ``token`` and return them (CLAIM_COLUMNS).
 
-        With ``task_ids``, only rows of those tasks are considered.
+        With ``task_ids``, only rows of those tasks are considered. ``holder`` is the
+        claiming relay's heartbeat id (None: no heartbeat, the lease alone counts).
         """
         after_sql, after_params = self.after(lease_seconds)
         columns = self.claim_columns()
         cursor.execute(
-            f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, available_at = {after_sql} "
+            f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, holder = %s, "
+            f"available_at = {after_sql} "
             f"WHERE id IN ({self._due_ids_sql(task_ids)}) RETURNING {columns}",
-            [token, *after_params, *task_ids, limit],
+            [token, holder, *after_params, *task_ids, limit],
         )
         return list(cursor.fetchall())
 
@@ -205,6 +209,7 @@ class MySQLDialect(Dialect):
         lease_seconds: float,
         token: str,
         task_ids: Sequence[str] = (),
+        holder: str | None = None,
     ) -> list[Sequence[Any]]:
         # The caller holds a transaction: the locks of SELECT ... FOR UPDATE last
         # until the UPDATE below has stamped the lease.
@@ -219,9 +224,9 @@ class MySQLDialect(Dialect):
             after_sql, after_params = self.after(lease_seconds)
             ids = [row[0] for row in rows]
             cursor.execute(
-                f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, available_at = {after_sql} "
-                f"WHERE id IN ({placeholders(ids)})",
-                [token, *after_params, *ids],
+                f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, holder = %s, "
+                f"available_at = {after_sql} WHERE id IN ({placeholders(ids)})",
+                [token, holder, *after_params, *ids],
             )
         return rows
 

@@ -46,6 +46,7 @@ from .dialects import (
 from .held import HELD_ROWS, HeldRows
 from .notify import HINTS, remember_hint
 from .operator import OperatorQueries
+from .relays import RelayRegistry
 from .types import (
     Claim,
     SettleReport,
@@ -54,7 +55,7 @@ from .types import (
 logger = logging.getLogger("celery_outbox.store")
 
 
-class OutboxStore(OperatorQueries):
+class OutboxStore(RelayRegistry, OperatorQueries):
     """The one door to the outbox tables on one database alias."""
 
     # -- enqueue ---------------------------------------------------------------
@@ -135,7 +136,9 @@ class OutboxStore(OperatorQueries):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            rows = self.dialect.claim(cursor, limit, lease_seconds, token, task_ids)
+            rows = self.dialect.claim(
+                cursor, limit, lease_seconds, token, task_ids, self.holder
+            )
         messages: list[StoredMessage] = []
         unreadable: list[Decision] = []
         for row in sorted(rows, key=lambda r: int(r[0])):
@@ -265,7 +268,8 @@ class OutboxStore(OperatorQueries):
         bump = "attempts = attempts + 1, " if count else ""
         cursor.execute(
             f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = {errors_sql}, "
-            f"available_at = {dialect.after_expr(delays_sql)}, lease_token = NULL "
+            f"available_at = {dialect.after_expr(delays_sql)}, lease_token = NULL, "
+            f"holder = NULL "
             f"WHERE lease_token = %s AND id IN ({placeholders(ids)})",
             [*errors, *delays, token, *ids],
         )

@@ -374,3 +374,48 @@ def test_sigterm_mid_drain_hands_back_leases(
         finished_in < 60
     )  # far below the 120 s lease: nothing waited for a lease to end
     assert lost == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_killed_relays_batch_is_taken_over_within_ten_seconds(
+    e2e: E2E, measured: list[str], rabbit_queue: str
+) -> None:
+    """kill -9 mid-batch on the default 60 s lease: another relay sends it again at once.
+
+    The dead relay's heartbeat goes stale after 6 s; the next heartbeat of the other
+    relay ends its leases and wakes its loop, long before the lease would run out.
+    """
+    stack = e2e("postgresql")
+    prefix = f"takeover-{uuid.uuid4().hex[:6]}"
+    tags = enqueue(prefix, 6000, per_tx=1000)
+    expected = set(outbox().values_list("task_id", flat=True))
+    doomed = stack.start_relay("--batch-size", "6000", name="relay-killed")
+    wait_until(
+        lambda: outbox().filter(holder__isnull=False).exists(),
+        60,
+        "the relay to claim its batch",
+        interval=0.005,
+    )
+    doomed.popen.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    doomed.popen.wait(10)
+    doomed.long_running = False  # killed on purpose
+    in_flight = outbox().filter(lease_token__isnull=False).count()
+    successor = stack.start_relay(name="relay-successor")  # the default 60 s lease
+    wait_until(lambda: not outbox().exists(), 60, "the successor to drain the outbox")
+    recovery = time.monotonic() - killed
+    seen = count_at_broker(rabbit_queue, len(tags))
+    lost = len(expected - set(seen))
+    duplicates = sum(count - 1 for count in seen.values() if count > 1)
+    line = (
+        f"kill -9 mid-batch, 60 s lease: tasks={len(tags)} in flight={in_flight} "
+        f"lost={lost} duplicates={duplicates} recovery={recovery:.1f}s"
+    )
+    print(line)
+    measured.append(line)
+    assert in_flight > 0, "the relay finished its batch before the kill"
+    assert "took over" in successor.output()
+    assert recovery < 10
+    assert lost == 0
+    assert duplicates <= in_flight
+    stack.assert_alive()
