@@ -63,9 +63,19 @@ class OutboxCelery(Celery):
             return super().send_task(name, *args, **options)
         options.pop("connection", None)
         options.pop("publisher", None)
-        if not isinstance(given, CapturingProducer):
-            options["producer"] = self._thread_producer()
-        return super().send_task(name, *args, **options)
+        producer = given
+        if not isinstance(producer, CapturingProducer):
+            producer = options["producer"] = self._thread_producer()
+        result = super().send_task(name, *args, **options)
+        holder = producer.take_holder(result.id)
+        if holder is not None:
+            # Another task holds the call's dedup_key: nothing was written; the
+            # caller gets that task's result, as if it had sent it.
+            ignored = getattr(result, "ignored", None)
+            result = (options.get("result_cls") or self.AsyncResult)(holder)
+            if ignored is not None:
+                result.ignored = ignored
+        return result
 
     @contextlib.contextmanager
     def producer_or_acquire(  # type: ignore[override]

@@ -9,13 +9,14 @@ message into the outbox, in the caller's transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import fnmatch
 import logging
+import math
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from django.apps import apps
@@ -50,7 +51,7 @@ class Route(enum.Enum):
     DIRECT = "direct"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CallContext:
     """What :func:`choose_route` needs to know about the call, as plain values."""
 
@@ -167,7 +168,7 @@ class CapturingProducer:
         connection: Any,
         default_serializer: str,
         default_compression: str | None,
-        sink: Callable[[Sequence[Envelope]], None],
+        sink: Callable[[Sequence[Envelope]], Mapping[str, str]],
         buffered: bool = False,
         event_exchange: str | None = None,
         amqp: bool = False,
@@ -187,6 +188,13 @@ class CapturingProducer:
         #: "task-sent" event at call time would announce a publish that has not happened.
         self._event_exchange = event_exchange
         self.amqp = amqp
+        #: Task ids whose ``dedup_key`` another task held, with that task's id
+        #: (taken back by :meth:`take_holder`).
+        self._refused: dict[str, str] = {}
+
+    def take_holder(self, task_id: str) -> str | None:
+        """The task that held the call's ``dedup_key``, if the call wrote nothing."""
+        return self._refused.pop(task_id, None)
 
     def flush(self) -> None:
         """Write what a buffered producer collected, in one INSERT."""
@@ -202,7 +210,7 @@ class CapturingProducer:
         if self._buffered:
             self._pending.append(envelope)
         else:
-            self._sink([envelope])
+            self._refused.update(self._sink([envelope]))
 
     @property
     def channel(self) -> Any:
@@ -229,6 +237,8 @@ class CapturingProducer:
         properties.pop("mandatory", None)
         properties.pop("immediate", None)
         ordering_key = properties.pop("ordering_key", None)
+        dedup_key = properties.pop("dedup_key", None)
+        dedup_window = properties.pop("dedup_window", None)
         headers = dict(headers or {})
         exchange_name, default_mode = _exchange_details(exchange)
         if self._event_exchange and exchange_name == self._event_exchange:
@@ -281,9 +291,46 @@ class CapturingProducer:
             ordering_key=None if ordering_key is None else str(ordering_key),
             log_context=capture_log_context(get_settings()),
         )
+        if dedup_key is not None or dedup_window is not None:
+            envelope = dataclasses.replace(
+                envelope,
+                **dedup_options(dedup_key, dedup_window, task_name, self._buffered),
+            )
         if self.amqp:
             refuse_for_amqp(task_name, amqp_problem(envelope))
         self._emit(envelope)
+
+
+def dedup_options(
+    key: Any, window: Any, task_name: str, buffered: bool
+) -> dict[str, Any]:
+    """``dedup_key`` and ``dedup_window`` checked; :class:`OutboxValueError` names the mistake."""
+    where = f"Cannot enqueue task {task_name[:80]!r}"
+    if key is None:
+        raise OutboxValueError(
+            f"{where}: dedup_window needs a dedup_key. Nothing was written."
+        )
+    if not isinstance(key, str) or not 0 < len(key) <= 255 or "\x00" in key:
+        raise OutboxValueError(
+            f"{where}: dedup_key must be a non-empty string of at most 255 characters "
+            f"without NUL, got {key!r}. Nothing was written."
+        )
+    if buffered:
+        raise OutboxValueError(
+            f"{where}: dedup_key is not supported inside a group or chord (its "
+            f"members share one result). Send the task on its own. Nothing was written."
+        )
+    seconds = 0.0 if window is None else window
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not 0 <= seconds < math.inf
+    ):
+        raise OutboxValueError(
+            f"{where}: dedup_window must be a number of seconds >= 0, got {window!r}. "
+            f"Nothing was written."
+        )
+    return {"dedup_key": key, "dedup_window": float(seconds)}
 
 
 def refuse_for_amqp(task_name: str, problem: str | None) -> None:
@@ -428,8 +475,12 @@ class Enqueuer:
         self._on_commit = on_commit
         self._installed = False
 
-    def write(self, envelopes: Sequence[Envelope]) -> None:
-        """Insert messages on the outbox alias, in the caller's transaction, in one INSERT."""
+    def write(self, envelopes: Sequence[Envelope]) -> Mapping[str, str]:
+        """Insert messages on the outbox alias, in the caller's transaction, in one INSERT.
+
+        Returns ``{task_id: holder}`` for the messages not written because another
+        task holds their ``dedup_key``.
+        """
         if not self._installed:
             self._installed = require_installed()
         settings = get_settings()
@@ -442,7 +493,15 @@ class Enqueuer:
         for name in names:
             self.guard.check(alias, name, settings.outside_transaction)
         # The store coalesces the hints of a burst of commits.
-        OutboxStore(alias).insert(envelopes, notify=settings.notify)
+        store = OutboxStore(alias)
+        refused: Mapping[str, str] = {}
+        if any(envelope.dedup_key is not None for envelope in envelopes):
+            refused = store.hold_keys(envelopes)
+            envelopes = [e for e in envelopes if e.task_id not in refused]
+            if not envelopes:
+                return refused
+        store.insert(envelopes, notify=settings.notify)
         send_created(envelopes, alias)
         if settings.publish_on_commit and self._on_commit is not None:
             self._on_commit(alias, [e.task_id for e in envelopes])
+        return refused

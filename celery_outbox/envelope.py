@@ -52,6 +52,11 @@ class Envelope:
     queue: str = ""
     arguments_preview: str = ""
     ordering_key: str | None = None
+    #: A caller's key that refuses a second enqueue while this one holds it
+    #: (:mod:`celery_outbox.store.dedup`); not stored with the row, never sent.
+    dedup_key: str | None = None
+    #: Seconds after the enqueue the key stays held, even once published.
+    dedup_window: float = 0.0
     #: Log context variables (structlog) captured at enqueue; stored, never sent.
     log_context: Mapping[str, Any] = field(default_factory=_no_log_context)
 

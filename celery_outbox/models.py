@@ -111,3 +111,24 @@ class RelayHeartbeat(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name or self.id} (seen {self.seen_at})"
+
+
+class DedupKey(models.Model):
+    """A caller's ``dedup_key`` and the task that holds it.
+
+    The key is held while that task's row waits in the outbox, and until ``held_until``
+    (the call's ``dedup_window`` after the enqueue): a second enqueue with a held key
+    writes nothing and gets the holder's ``AsyncResult``. The primary key makes two
+    concurrent enqueues of one key wait for each other, on every database.
+    """
+
+    dedup_key = models.CharField(primary_key=True, max_length=255)
+    task_id = models.CharField(max_length=255)
+    held_until = models.DateTimeField()
+
+    class Meta:
+        db_table = "celery_outbox_dedup_key"
+        verbose_name = "deduplication key"
+
+    def __str__(self) -> str:
+        return f"{self.dedup_key} -> {self.task_id}"

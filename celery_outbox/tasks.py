@@ -50,3 +50,16 @@ def purge_dead_letters() -> dict[str, Any]:
             "purged %d dead letters older than %.0f s", report.deleted, retention
         )
     return {"deleted": report.deleted, "retention_seconds": retention}
+
+
+@shared_task(name="celery_outbox.purge_dedup_keys", ignore_result=True)
+def purge_dedup_keys() -> dict[str, Any]:
+    """Delete ``dedup_key`` holds that have ended (task published, window over).
+
+    Schedule it with beat like ``purge_dead_letters`` when you use ``dedup_key``.
+    Returns ``{"deleted": n}``.
+    """
+    deleted = OutboxStore(outbox_alias(get_settings())).purge_dedup_keys()
+    if deleted:
+        logger.info("purged %d ended dedup keys", deleted)
+    return {"deleted": deleted}

@@ -17,6 +17,7 @@ from .notify import CHANNEL
 MESSAGE_TABLE = "celery_outbox_message"
 DEAD_TABLE = "celery_outbox_deadletter"
 RELAY_TABLE = "celery_outbox_relay"
+DEDUP_TABLE = "celery_outbox_dedup_key"
 
 #: Columns copied verbatim between the outbox and the dead-letter table.
 MESSAGE_COLUMNS = (

@@ -34,6 +34,7 @@ from ..exceptions import (
 )
 from ..outcomes import Action, Decision, Settlement
 from ..queues import is_spec
+from .dedup import DedupKeys
 from .dialects import (
     COLUMN_LIMITS,
     DEAD_TABLE,
@@ -55,7 +56,7 @@ from .types import (
 logger = logging.getLogger("celery_outbox.store")
 
 
-class OutboxStore(RelayRegistry, OperatorQueries):
+class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries):
     """The one door to the outbox tables on one database alias."""
 
     # -- enqueue ---------------------------------------------------------------
