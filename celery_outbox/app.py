@@ -6,7 +6,7 @@ import contextlib
 import gc
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from celery import Celery
@@ -96,6 +96,30 @@ class OutboxCelery(Celery):
             buffer.discard()
             raise
         buffer.flush()
+
+    def event(self, name: str) -> Callable[[Callable[..., Any]], Any]:
+        """Declare an event: ``@app.event("order.created")`` on a validating function.
+
+        Calling the result validates, then writes the event in the caller's
+        transaction; see :mod:`celery_outbox.events`.
+        """
+        from .events import Event
+
+        return lambda function: Event(self, name, function)
+
+    def handler(
+        self, pattern: str, **options: Any
+    ) -> Callable[[Callable[..., Any]], Any]:
+        """Handle the events matching ``pattern`` (``order.*``) in this app's service.
+
+        The function becomes a task of this app; ``max_retries=`` and ``retry_for=``
+        set its broker-side retries. See :mod:`celery_outbox.events`.
+        """
+        from .events import registry_of
+
+        return lambda function: registry_of(self).add_handler(
+            pattern, function, **options
+        )
 
     def _publish_after_commit(self, alias: str, task_ids: Sequence[str]) -> None:
         if self._outbox_commit_publisher is None:

@@ -70,6 +70,24 @@ class OutboxSettings:
     inbox_database: str | None = None
     #: Seconds an inbox row is kept before ``celery_outbox.inbox.purge`` deletes it (7 days).
     inbox_retention: float = 7 * 86400.0
+    #: Aliases the handler processor serves; None: every alias the router lets the
+    #: handler tables migrate to (``celery_outbox.handlers``).
+    handler_databases: tuple[str, ...] | None = None
+    #: How long a handler processor owns a shard without renewing its lease.
+    handler_lease_seconds: float = 30.0
+    #: Wait after a handler's first failure, doubled after each one, up to the max.
+    handler_retry_base_seconds: float = 1.0
+    handler_retry_max_seconds: float = 3600.0
+    #: Events (``celery_outbox.events``): the topic exchange events are published to.
+    events_exchange: str = "events"
+    #: Broker-side retry steps of a failed handler: delays of 1, 2, 4 ... 2^(n-1) s.
+    events_max_retries: int = 10
+    #: Seconds an archived event is kept in a service's archive queue (7 days).
+    events_archive_ttl: float = 7 * 86400.0
+    #: Events a service's archive queue keeps at most (the oldest are dropped).
+    events_archive_max_length: int = 10_000
+    #: ``"classic"`` or ``"quorum"``: the type of event, retry and archive queues.
+    events_queue_type: str = "classic"
 
 
 _FIELDS = {
@@ -98,6 +116,20 @@ _FIELDS = {
     "INBOX": "inbox",
     "INBOX_DATABASE": "inbox_database",
     "INBOX_RETENTION": "inbox_retention",
+    "HANDLER_DATABASES": "handler_databases",
+    "HANDLER_LEASE_SECONDS": "handler_lease_seconds",
+    "HANDLER_RETRY_BASE_SECONDS": "handler_retry_base_seconds",
+    "HANDLER_RETRY_MAX_SECONDS": "handler_retry_max_seconds",
+    "EVENTS_EXCHANGE": "events_exchange",
+    "EVENTS_MAX_RETRIES": "events_max_retries",
+    "EVENTS_ARCHIVE_TTL": "events_archive_ttl",
+    "EVENTS_ARCHIVE_MAX_LENGTH": "events_archive_max_length",
+    "EVENTS_QUEUE_TYPE": "events_queue_type",
+}
+
+#: The values of the string settings that take one of a few choices.
+_CHOICES = {
+    "events_queue_type": ("classic", "quorum"),
 }
 
 #: Settings that earlier versions read and this one ignores, with what to do instead.
@@ -219,6 +251,37 @@ def _validated(field: str, value: Any) -> Any:
             ) from None
     if field == "dead_letter_retention":
         return _retention(name, value)
+    if field in _CHOICES:
+        if value not in _CHOICES[field]:
+            choices = ", ".join(repr(choice) for choice in _CHOICES[field])
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be one of {choices}, got {value!r}."
+            )
+        return value
+    if field == "events_exchange":
+        if not isinstance(value, str) or not value or ":" in value:
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be a non-empty exchange name without ':', "
+                f"got {value!r}."
+            )
+        return value
+    if field == "events_max_retries":
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 0 <= value <= 24
+        ):
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be an int from 0 to 24 (the last step waits "
+                f"2^(n-1) seconds), got {value!r}."
+            )
+        return value
+    if field == "events_archive_ttl":
+        if value is None or value == math.inf:
+            raise OutboxConfigurationError(
+                f"{PREFIX}{name} must be a finite duration such as '7d', got {value!r}."
+            )
+        return _retention(name, value)
     if field == "inbox_retention":
         if value is None or value == math.inf:
             raise OutboxConfigurationError(
@@ -234,6 +297,12 @@ def _validated(field: str, value: Any) -> Any:
         )
     if field == "log_context_keys":
         return _key_names(name, value)
+    if field == "handler_databases":
+        if value is None:
+            return None
+        return _str_tuple(
+            name, value, "None (every database) or a list of database aliases"
+        )
     if field in {
         "direct_from_worker",
         "confirm_publish",
@@ -248,7 +317,7 @@ def _validated(field: str, value: Any) -> Any:
                 f"{PREFIX}{name} must be True or False, got {value!r}."
             )
         return value
-    if field in {"batch_size", "max_attempts"}:
+    if field in {"batch_size", "max_attempts", "events_archive_max_length"}:
         if isinstance(value, float):
             raise OutboxConfigurationError(
                 f"{PREFIX}{name} must be a positive int, got {value!r}."
@@ -308,6 +377,12 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
         raise OutboxConfigurationError(
             f"{PREFIX}RETRY_MAX_SECONDS ({result.retry_max_seconds}) must not be smaller "
             f"than {PREFIX}RETRY_BASE_SECONDS ({result.retry_base_seconds})."
+        )
+    if result.handler_retry_max_seconds < result.handler_retry_base_seconds:
+        raise OutboxConfigurationError(
+            f"{PREFIX}HANDLER_RETRY_MAX_SECONDS ({result.handler_retry_max_seconds}) "
+            f"must not be smaller than {PREFIX}HANDLER_RETRY_BASE_SECONDS "
+            f"({result.handler_retry_base_seconds})."
         )
     return result
 

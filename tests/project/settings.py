@@ -30,6 +30,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "celery_outbox",
     "celery_outbox.inbox",
+    "celery_outbox.handlers",
     "tests.project.shop",
 ]
 MIDDLEWARE = [

@@ -23,7 +23,7 @@ class Command(BaseCommand):
         sub = parser.add_subparsers(
             dest="subcommand",
             required=True,
-            metavar="{relay,health,stats,replay,purge}",
+            metavar="{relay,health,stats,replay,purge,events,handlers,handler-stats,pause,resume}",
         )
         kwargs: dict[str, Any] = {"called_from_command_line": True}
         relay = sub.add_parser(
@@ -59,15 +59,30 @@ class Command(BaseCommand):
         )
         stats = sub.add_parser("stats", help="Print the outbox backlog.", **kwargs)
         _add_operator_arguments(sub, stats, kwargs)
+        from ...events.commands import add_arguments as add_events_arguments
+
+        add_events_arguments(
+            sub.add_parser("events", help="Events: topology and archive.", **kwargs),
+            **kwargs,
+        )
+        from ...handlers import cli as handlers_cli
+
+        handlers_cli.add_parsers(sub, kwargs, _positive)
 
     def handle(self, *args: Any, **options: Any) -> None:
+        from ...handlers import cli as handlers_cli
+
         try:
+            if options["subcommand"] in handlers_cli.SUBCOMMANDS:
+                handlers_cli.handle(options, self.stdout.write)
+                return
             handler = {
                 "relay": self._relay,
                 "stats": self._stats,
                 "health": self._health,
                 "replay": self._replay,
                 "purge": self._purge,
+                "events": self._events,
             }
             handler[options["subcommand"]](options)
         except OutboxError as exc:
@@ -108,6 +123,11 @@ class Command(BaseCommand):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _events(self, options: dict[str, Any]) -> None:
+        from ...events.commands import run
+
+        run(options, self.stdout)
 
     def _health(self, options: dict[str, Any]) -> None:
         from ...app import resolve_app

@@ -1,0 +1,186 @@
+"""Events and handlers of one Celery app, and the task that delivers events to them.
+
+Every event is one message whose Celery task name is :data:`DELIVER_TASK` in every
+service, with the event name in the ``outbox_event`` header and the arguments as the
+task's arguments. Each service registers its own task of that name (done by the
+first ``@app.handler``): it finds the service's one handler whose pattern matches the
+event and calls it. A service's patterns may not overlap, so each copy of an event
+reaches exactly one of its queues and one handler runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..conf import get_settings
+from ..exceptions import OutboxConfigurationError
+from .names import check_event_name, check_pattern, check_service, matches, overlap
+from .topology import ServiceTopology, unrouted_queue
+
+logger = logging.getLogger("celery_outbox.events")
+
+#: The task name of every event message; each service has its own task of this name.
+DELIVER_TASK = "celery_outbox.events.deliver"
+#: The message header naming the event.
+EVENT_HEADER = "outbox_event"
+
+#: The consumer defaults of the delivering task. Override any of them with Celery's
+#: own ``task_annotations = {"celery_outbox.events.deliver": {"acks_late": False}}``.
+CONSUMER_DEFAULTS: dict[str, Any] = {
+    "acks_late": True,  # ack after the handler ran (or its retry was published)
+    "reject_on_worker_lost": True,  # a killed worker's message is redelivered
+    "acks_on_failure_or_timeout": False,  # rejected: dead-lettered into retry step 0
+    "ignore_result": True,  # several services handle one event: no single result
+}
+
+
+@dataclass(frozen=True)
+class Handler:
+    """One handler of one service: its pattern, its task and its retry policy."""
+
+    pattern: str
+    task: Any
+    #: Retry steps before the event is archived; None: ``CELERY_OUTBOX_EVENTS_MAX_RETRIES``.
+    max_retries: int | None
+    #: Exceptions retried; any other exception archives the event at once.
+    retry_for: tuple[type[BaseException], ...]
+
+    def steps(self) -> int:
+        if self.max_retries is not None:
+            return self.max_retries
+        return get_settings().events_max_retries
+
+
+class Event:
+    """An event declared with ``@app.event(name)``: call it (or ``.fire``) to fire it.
+
+    The decorated function validates the arguments: when it raises, nothing is
+    written. Then the event is written to the outbox in the caller's transaction.
+    """
+
+    def __init__(self, app: Any, name: str, validate: Callable[..., Any]) -> None:
+        self.app = app
+        self.name = check_event_name(name)
+        self.validate = validate
+        self.__doc__ = validate.__doc__
+        self.__wrapped__ = validate
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fire(*args, **kwargs)
+
+    def fire(self, *args: Any, **kwargs: Any) -> Any:
+        """Validate, then enqueue the event; returns the message's ``AsyncResult``."""
+        self.validate(*args, **kwargs)
+        settings = get_settings()
+        return self.app.send_task(
+            DELIVER_TASK,
+            args=list(args),
+            kwargs=kwargs,
+            exchange=settings.events_exchange,
+            routing_key=self.name,
+            headers={EVENT_HEADER: self.name},
+            # The relay declares the events exchange (and its sink) from this.
+            declare=[unrouted_queue(settings)],
+            ignore_result=True,
+        )
+
+    def __repr__(self) -> str:
+        return f"<Event {self.name}>"
+
+
+class Registry:
+    """The events and handlers declared on one app."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = weakref.ref(app)
+        self.handlers: dict[str, Handler] = {}
+        self._deliver_registered = False
+
+    @property
+    def app(self) -> Any:
+        app = self._app()
+        if app is None:  # pragma: no cover - the app owns the registry
+            raise RuntimeError("the app of this registry is gone")
+        return app
+
+    @property
+    def service(self) -> str:
+        return check_service(self.app.main)
+
+    def topology(self) -> ServiceTopology:
+        return ServiceTopology(get_settings(), self.service, tuple(self.handlers))
+
+    def add_handler(
+        self,
+        pattern: str,
+        function: Callable[..., Any],
+        *,
+        max_retries: int | None = None,
+        retry_for: tuple[type[BaseException], ...] = (Exception,),
+        **task_options: Any,
+    ) -> Any:
+        """Register ``function`` as this service's handler of ``pattern``; returns its task."""
+        check_pattern(pattern)
+        service = self.service
+        _refuse_shared_service(self, service)
+        for existing in self.handlers:
+            if overlap(existing, pattern):
+                raise OutboxConfigurationError(
+                    f"Service {service!r} already handles {existing!r}, and "
+                    f"{pattern!r} can match the same events: one event would reach "
+                    f"two of its queues. Handle both in one handler, or use patterns "
+                    f"that do not overlap."
+                )
+        if max_retries is not None and not 0 <= max_retries <= 24:
+            raise OutboxConfigurationError(
+                f"max_retries of the handler of {pattern!r} must be 0-24, got {max_retries!r}."
+            )
+        task_options.setdefault(
+            "name", f"{function.__module__}.{function.__qualname__}"
+        )
+        task = self.app.task(**task_options)(function)
+        self.handlers[pattern] = Handler(pattern, task, max_retries, tuple(retry_for))
+        self._register_deliver_task()
+        return task
+
+    def handler_for(self, event: str) -> Handler | None:
+        """The one handler whose pattern matches ``event``, if any."""
+        for pattern, handler in self.handlers.items():
+            if matches(pattern, event):
+                return handler
+        return None
+
+    def _register_deliver_task(self) -> None:
+        if self._deliver_registered:
+            return
+        from . import worker  # noqa: F401  (declares and consumes at worker start)
+        from .delivery import deliver
+
+        # Lazy (the app may not be finalized yet): the task is created on first use.
+        self.app.task(name=DELIVER_TASK, bind=True, **CONSUMER_DEFAULTS)(deliver)
+        self._deliver_registered = True
+
+
+_registries: weakref.WeakKeyDictionary[Any, Registry] = weakref.WeakKeyDictionary()
+
+
+def registry_of(app: Any) -> Registry:
+    """The :class:`Registry` of ``app`` (created on first use)."""
+    registry = _registries.get(app)
+    if registry is None:
+        registry = _registries[app] = Registry(app)
+    return registry
+
+
+def _refuse_shared_service(registry: Registry, service: str) -> None:
+    for other_app, other in list(_registries.items()):
+        if other is not registry and other.handlers and other_app.main == service:
+            raise OutboxConfigurationError(
+                f"Two apps with handlers are both named {service!r}: they would share "
+                f"its queues and each get only some of the events. Give each service "
+                f"its own name: OutboxCelery('billing'), OutboxCelery('shipping')."
+            )

@@ -1,0 +1,38 @@
+"""Worker start: declare the service's topology and consume its event queues."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.signals import celeryd_after_setup
+
+from ..conf import get_settings
+from .declare import declare
+from .registry import registry_of
+
+logger = logging.getLogger("celery_outbox.events")
+
+
+def prepare_worker(app: Any) -> list[str]:
+    """Declare ``app``'s topology and add its event queues to those the worker consumes.
+
+    Returns the names of the queues added (none when the app has no handler).
+    """
+    registry = registry_of(app)
+    if not registry.handlers:
+        return []
+    topology = registry.topology()
+    with app.connection_for_write() as connection:
+        declare(connection, topology.all_queues(), get_settings())
+    for pattern in topology.patterns:
+        app.amqp.queues.select_add(topology.consumed_queue(pattern))
+    names = [queue.name for queue in topology.event_queues()]
+    logger.info("events: service %s consumes %s", topology.service, ", ".join(names))
+    return names
+
+
+@celeryd_after_setup.connect(weak=False)
+def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    if instance is not None:
+        prepare_worker(instance.app)

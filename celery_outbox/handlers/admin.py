@@ -1,0 +1,100 @@
+"""Django admin for the handler outboxes: read-only lists, pauses as kill switches.
+
+A pause added here stops its category or shard within one processor pass; deleting
+it resumes, through :class:`~celery_outbox.handlers.store.HandlerStore` so the shards
+it stopped are due at once. Lists show the router's database for these tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.db import router
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest
+
+from .models import HandlerDeadLetter, HandlerMessage, HandlerPause, HandlerShard
+from .store import HandlerStore
+
+
+def _store() -> HandlerStore:
+    return HandlerStore(router.db_for_write(HandlerMessage))
+
+
+class _ReadOnly(admin.ModelAdmin):  # type: ignore[type-arg]
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(
+        self, request: HttpRequest, obj: Model | None = None
+    ) -> bool:
+        return False
+
+
+@admin.register(HandlerMessage)
+class HandlerMessageAdmin(_ReadOnly):
+    """Messages waiting for their receiver, oldest first."""
+
+    list_display = ("id", "category", "shard", "object_id", "created_at")
+    list_filter = ("category",)
+    search_fields = ("shard", "object_id")
+    ordering = ("id",)
+
+
+@admin.register(HandlerShard)
+class HandlerShardAdmin(_ReadOnly):
+    """Shards with messages: blocked heads (attempts, last error), leases, holds."""
+
+    list_display = (
+        "shard",
+        "attempts",
+        "next_attempt_at",
+        "failing_since",
+        "held_by",
+        "leased_until",
+    )
+    search_fields = ("shard",)
+    ordering = ("-attempts", "next_attempt_at")
+    actions = ["pause_shards"]
+
+    @admin.action(description="Pause the selected shards")
+    def pause_shards(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        store = _store()
+        for shard in queryset.values_list("shard", flat=True):
+            store.pause(HandlerPause.Kind.SHARD, shard, f"admin: {request.user}")
+        self.message_user(request, f"{queryset.count()} shard(s) paused.")
+
+
+@admin.register(HandlerDeadLetter)
+class HandlerDeadLetterAdmin(_ReadOnly):
+    """Messages whose receiver failed ``max_attempts`` times, with the last error."""
+
+    list_display = ("id", "category", "shard", "object_id", "attempts", "died_at")
+    list_filter = ("category",)
+    search_fields = ("shard", "object_id")
+
+
+@admin.register(HandlerPause)
+class HandlerPauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Kill switches: add one to pause, delete it to resume."""
+
+    list_display = ("kind", "value", "reason", "created_at")
+    fields = ("kind", "value", "reason")
+
+    def has_change_permission(
+        self, request: HttpRequest, obj: Model | None = None
+    ) -> bool:
+        return False
+
+    def save_model(
+        self, request: HttpRequest, obj: Any, form: Any, change: bool
+    ) -> None:
+        _store().pause(HandlerPause.Kind(obj.kind), obj.value, obj.reason)
+
+    def delete_model(self, request: HttpRequest, obj: Any) -> None:
+        _store().resume(HandlerPause.Kind(obj.kind), obj.value)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        for kind, value in queryset.values_list("kind", "value"):
+            _store().resume(HandlerPause.Kind(kind), value)

@@ -1,0 +1,145 @@
+"""The ``outbox`` subcommands of the handler outboxes: parse, configure, call."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+
+from ..conf import get_settings
+
+#: Subcommand name -> what runs it.
+SUBCOMMANDS = ("handlers", "handler-stats", "pause", "resume")
+
+
+def add_parsers(
+    sub: Any, kwargs: dict[str, Any], positive: Callable[[type], Any]
+) -> None:
+    """Add ``handlers``, ``handler-stats``, ``pause`` and ``resume`` to ``sub``."""
+    run = sub.add_parser(
+        "handlers", help="Run handler-outbox receivers (no broker).", **kwargs
+    )
+    run.add_argument(
+        "--until-empty", action="store_true", help="Exit once no shard is due."
+    )
+    run.add_argument("--lease-seconds", type=positive(float), default=None)
+    run.add_argument("--poll-interval", type=positive(float), default=None)
+    _databases(run)
+    stats = sub.add_parser(
+        "handler-stats", help="Print the handler outboxes' backlog.", **kwargs
+    )
+    stats.add_argument("--format", choices=["text", "json"], default="text")
+    stats.add_argument("--top", type=positive(int), default=10, metavar="N")
+    _databases(stats)
+    for verb, text in (("pause", "Stop"), ("resume", "Restart")):
+        parser = sub.add_parser(
+            verb, help=f"{text} a handler category or shard, at runtime.", **kwargs
+        )
+        target = parser.add_mutually_exclusive_group(required=True)
+        target.add_argument("--category", default=None)
+        target.add_argument("--shard", default=None, help="A shard key, e.g. org:42.")
+        if verb == "pause":
+            parser.add_argument("--reason", default="")
+        _databases(parser)
+
+
+def _databases(parser: CommandParser) -> None:
+    parser.add_argument(
+        "--database",
+        action="append",
+        default=None,
+        help="A database alias (repeat for several); default: every one.",
+    )
+
+
+def handle(options: dict[str, Any], write: Callable[[str], None]) -> None:
+    """Run the subcommand ``options["subcommand"]``."""
+    from .processor import Processor, config_from_settings
+
+    config = config_from_settings(
+        get_settings(),
+        databases=tuple(options["database"]) if options["database"] else None,
+        lease_seconds=options.get("lease_seconds"),
+        poll_interval=options.get("poll_interval"),
+        until_empty=options.get("until_empty") or None,
+    )
+    command = options["subcommand"]
+    if command == "handlers":
+        _run(Processor(config), write)
+    elif command == "handler-stats":
+        _stats(config.databases, options["format"], options["top"], write)
+    else:
+        _switch(command, config.databases, options, write)
+
+
+def _run(processor: Any, write: Callable[[str], None]) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
+        processor.stop()
+
+    previous = {
+        sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        reason = processor.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    write(f"handler processor stopped: {reason.value}")
+
+
+def _stats(
+    databases: tuple[str, ...], fmt: str, top: int, write: Callable[[str], None]
+) -> None:
+    from .store import HandlerStore
+
+    reports = [HandlerStore(alias).stats(top) for alias in databases]
+    if fmt == "json":
+        write(json.dumps([asdict(r) for r in reports], indent=2))
+        return
+    for r in reports:
+        write(f"database {r.database}:")
+        write(f"  messages: {r.messages} in {r.shards} shard(s)")
+        write(f"  blocked shards (head failing): {r.blocked}")
+        write(f"  paused shards: {r.paused_shards}")
+        write(f"  paused categories: {', '.join(r.paused_categories) or '-'}")
+        write(f"  paused shard keys: {', '.join(r.paused_shard_keys) or '-'}")
+        write(f"  oldest message: {_seconds(r.oldest_age)}")
+        write(f"  processing lag (oldest not blocked or paused): {_seconds(r.lag)}")
+        write(f"  dead letters: {r.dead_letters}")
+        for name, count in sorted(r.coalesced.items()):
+            write(f"  coalesced {name}: {count}")
+        if r.deepest:
+            write("  deepest shards:")
+            for depth in r.deepest:
+                write(f"    {depth.shard}: {depth.messages}")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _switch(
+    command: str,
+    databases: tuple[str, ...],
+    options: dict[str, Any],
+    write: Callable[[str], None],
+) -> None:
+    from .store import HandlerStore
+
+    kind = "category" if options["category"] is not None else "shard"
+    value = options[kind]
+    if not value:
+        raise CommandError(f"give a non-empty --{kind}")
+    for alias in databases:
+        store = HandlerStore(alias)
+        if command == "pause":
+            changed = store.pause(kind, value, options["reason"])
+            state = "paused" if changed else "already paused"
+        else:
+            changed = store.resume(kind, value)
+            state = "resumed" if changed else "was not paused"
+        write(f"{kind} {value!r} on {alias}: {state}")

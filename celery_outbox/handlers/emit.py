@@ -1,0 +1,169 @@
+"""The writing side: :func:`emit` and :func:`outbox_context`."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import json
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connections, router, transaction
+
+from ..conf import OutsideTransaction, get_settings
+from ..exceptions import (
+    OutboxSerializationError,
+    OutboxTransactionError,
+    OutboxValueError,
+)
+from .core import KEY_LENGTH, shard_key
+
+logger = logging.getLogger("celery_outbox.handlers")
+
+
+@dataclass
+class _Scope:
+    flush: bool
+    #: Shards written inside the scope, per database alias.
+    written: dict[str, set[str]] = field(default_factory=dict)
+
+
+_scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+    "celery_outbox_handler_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def outbox_context(*, flush: bool = True) -> Iterator[None]:
+    """Run the shards written inside the block in this process once they commit.
+
+    ``flush=True`` (an API request that reports success) processes them right after
+    the transaction commits, under the same lease rules as the processor: a shard
+    another processor holds is left to it, and a receiver that fails leaves its
+    message to the processor. ``flush=False`` (a background writer) leaves them to
+    the processor, also inside an enclosing flushing block. The block may sit inside
+    ``transaction.atomic()`` or wrap it; nothing is run if the block raises or the
+    transaction rolls back.
+    """
+    scope = _Scope(flush)
+    token = _scope.set(scope)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+    for alias, shards in scope.written.items():
+        _flush_on_commit(alias, shards)
+
+
+def emit(
+    category: str,
+    *,
+    shard: str | Iterable[Any],
+    object_id: Any,
+    payload: Any = None,
+    using: str | None = None,
+    flush: bool | None = None,
+) -> None:
+    """Write a message for ``category``'s receiver in the caller's transaction.
+
+    ``shard``: ``("org", 42)`` or ``"org:42"``; messages of one shard run in order.
+    ``object_id``: messages of one (shard, category, object id) coalesce: only the
+    newest runs, unless the category opts out. ``payload``: anything JSON holds; a
+    value it cannot hold raises :class:`OutboxSerializationError` and writes nothing.
+    ``using``: the database (default: the router's choice for the handler tables);
+    keep it the database of the rows the message describes. ``flush``: True runs the
+    shard in this process after commit, False never; None follows
+    :func:`outbox_context`.
+    """
+    key = shard_key(shard)
+    identifier = str(object_id)
+    for name, value in (
+        ("category", category),
+        ("shard", key),
+        ("object_id", identifier),
+    ):
+        if not value or len(value) > KEY_LENGTH:
+            raise OutboxValueError(
+                f"the handler message's {name} must be 1 to {KEY_LENGTH} characters, "
+                f"got {len(value)}: {value[:80]!r}"
+            )
+    try:
+        text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise OutboxSerializationError(
+            f"the payload of handler category {category!r} cannot be stored as "
+            f"JSON: {exc}. Pass plain dicts, lists, strings, numbers, booleans and None."
+        ) from None
+    alias = using or _default_alias()
+    _guard.check(alias, category, get_settings().outside_transaction)
+    from .store import HandlerStore
+
+    HandlerStore(alias).write(category, key, identifier, text)
+    scope = _scope.get()
+    if flush is True:
+        _flush_on_commit(alias, {key})
+    elif flush is None and scope is not None and scope.flush:
+        scope.written.setdefault(alias, set()).add(key)
+
+
+def _default_alias() -> str:
+    from .models import HandlerMessage
+
+    return router.db_for_write(HandlerMessage)
+
+
+def _flush_on_commit(alias: str, shards: set[str]) -> None:
+    from .processor import flush_shards
+
+    callback = functools.partial(flush_shards, alias, sorted(shards))
+    transaction.on_commit(callback, using=alias)
+
+
+class _Guard:
+    """The outside-transaction policy of tasks, applied to handler messages."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self, alias: str, category: str, mode: OutsideTransaction) -> None:
+        if connections[alias].in_atomic_block:
+            return
+        others = sorted(
+            conn.alias
+            for conn in connections.all(initialized_only=True)
+            if conn.alias != alias and conn.in_atomic_block
+        )
+        if others:
+            raise OutboxTransactionError(
+                f"A handler message of category {category!r} was emitted inside "
+                f"transaction.atomic() on {', '.join(map(repr, others))}, but it is "
+                f"written to {alias!r}: it would commit on its own, even if your "
+                f"transaction rolls back. Pass using= the alias of your data."
+            )
+        if mode is OutsideTransaction.RAISE:
+            raise OutboxTransactionError(
+                f"A handler message of category {category!r} was emitted outside "
+                f"transaction.atomic() on {alias!r} and CELERY_OUTBOX_OUTSIDE_TRANSACTION "
+                f"is 'raise'. Emit it inside transaction.atomic(using={alias!r})."
+            )
+        if mode is OutsideTransaction.WARN:
+            with self._lock:
+                first = category not in self._warned
+                self._warned.add(category)
+            if first:
+                logger.warning(
+                    "A handler message of category %r was emitted outside "
+                    "transaction.atomic(); it was committed on its own. Emit it inside "
+                    "atomic() to tie it to your data, or set "
+                    "CELERY_OUTBOX_OUTSIDE_TRANSACTION = 'allow' (logged once per "
+                    "category).",
+                    category,
+                )
+
+
+_guard = _Guard()

@@ -1,0 +1,429 @@
+"""Every read and write of the handler-outbox tables, on one database alias.
+
+Leases: a processor owns a shard while ``lease_token`` holds its token and
+``leased_until`` is in the future. Claiming is a compare-and-set UPDATE (after a
+``SELECT ... FOR UPDATE SKIP LOCKED`` on PostgreSQL and MariaDB/MySQL, so processors
+do not queue behind each other), which works on SQLite as well. Every write a
+processor makes after its claim is *fenced*: it starts with an UPDATE of the shard
+row that matches only while the token is still there. That UPDATE also takes the
+row's lock (the write lock on SQLite) until the transaction commits, so another
+processor cannot take the shard over between the fence and the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from django.db import transaction
+from django.db.models import (
+    Count,
+    DateTimeField,
+    Exists,
+    ExpressionWrapper,
+    F,
+    Min,
+    OuterRef,
+    Q,
+    QuerySet,
+    Value,
+)
+from django.db.models.functions import Coalesce, Now
+from django.utils import timezone
+
+from ..exceptions import OutboxError
+from .core import FailureDecision, Row
+from .models import (
+    HandlerCounter,
+    HandlerDeadLetter,
+    HandlerMessage,
+    HandlerPause,
+    HandlerShard,
+)
+
+#: Characters of a receiver's error kept on the shard and in a dead letter.
+ERROR_LIMIT = 4000
+
+
+class LeaseLost(OutboxError):
+    """The shard's lease ended and another processor may own it: the write was not made."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A shard this processor owns, and the state of its head at the claim."""
+
+    pk: int
+    shard: str
+    token: str
+    attempts: int
+    head_id: int | None
+
+
+@dataclass(frozen=True)
+class Pauses:
+    """The kill switches in force on one database."""
+
+    categories: frozenset[str] = frozenset()
+    shards: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ShardDepth:
+    """A shard and how many messages wait in it."""
+
+    shard: str
+    messages: int
+
+
+@dataclass(frozen=True)
+class HandlerStats:
+    """The backlog of the handler outboxes on one database."""
+
+    database: str
+    messages: int
+    shards: int
+    #: Shards whose head failed and waits for its next attempt.
+    blocked: int
+    #: Shards stopped by a paused category at their head, or paused themselves.
+    paused_shards: int
+    paused_categories: tuple[str, ...]
+    paused_shard_keys: tuple[str, ...]
+    #: Age of the oldest message waiting anywhere (seconds), None when empty.
+    oldest_age: float | None
+    #: Age of the oldest message in a shard that is neither blocked nor paused.
+    lag: float | None
+    dead_letters: int
+    coalesced: dict[str, int] = field(default_factory=dict)
+    dead_lettered: dict[str, int] = field(default_factory=dict)
+    deepest: tuple[ShardDepth, ...] = ()
+
+
+#: The shard columns of a head that is not failing.
+_HEALTHY: dict[str, Any] = {
+    "attempts": 0,
+    "head_id": None,
+    "failing_since": None,
+    "last_error": "",
+}
+
+
+def _later(seconds: float) -> ExpressionWrapper[Any]:
+    """The database's now plus ``seconds``."""
+    return ExpressionWrapper(
+        Now() + Value(timedelta(seconds=seconds)), output_field=DateTimeField()
+    )
+
+
+def _free() -> Q:
+    return Q(lease_token__isnull=True) | Q(leased_until__lt=Now())
+
+
+class HandlerStore:
+    """The handler-outbox tables on one database alias."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+
+    def _shards(self) -> QuerySet[HandlerShard]:
+        return cast("QuerySet[HandlerShard]", HandlerShard.objects.using(self.using))
+
+    def _messages(self) -> QuerySet[HandlerMessage]:
+        return cast(
+            "QuerySet[HandlerMessage]", HandlerMessage.objects.using(self.using)
+        )
+
+    # -- the writing side ------------------------------------------------------
+
+    def write(self, category: str, shard: str, object_id: str, payload: str) -> None:
+        """INSERT the message, and its shard row when none exists (caller's transaction).
+
+        The shard check is a plain read: it takes no lock on an existing shard row, so
+        writers of one shard never wait for each other or for a processor.
+        """
+        self._messages().create(
+            category=category,
+            shard=shard,
+            object_id=object_id,
+            payload=payload,
+            created_at=Now(),
+        )
+        self.ensure_shards([shard])
+
+    def ensure_shards(self, shards: Iterable[str]) -> None:
+        """Create the shard rows that do not exist (a concurrent creation is ignored)."""
+        wanted = set(shards)
+        if not wanted:
+            return
+        existing = set(
+            self._shards().filter(shard__in=wanted).values_list("shard", flat=True)
+        )
+        rows = [
+            HandlerShard(shard=key, next_attempt_at=Now(), created_at=Now())
+            for key in sorted(wanted - existing)
+        ]
+        if rows:
+            self._shards().bulk_create(rows, ignore_conflicts=True)
+
+    def discover(self, limit: int = 1000) -> int:
+        """Create shard rows for messages that have none; returns how many were missing.
+
+        A processor deletes the row of a shard it emptied; a message written at that
+        moment by a writer that saw the row may then have no shard row. This sweep,
+        run every few seconds, puts it back.
+        """
+        has_shard = Exists(self._shards().filter(shard=OuterRef("shard")))
+        missing = list(
+            self._messages()
+            .filter(~has_shard)
+            .order_by()
+            .values_list("shard", flat=True)
+            .distinct()[:limit]
+        )
+        self.ensure_shards(missing)
+        return len(missing)
+
+    # -- the processing side ---------------------------------------------------
+
+    def claim(
+        self, token: str, lease_seconds: float, shards: Sequence[str] | None = None
+    ) -> Lease | None:
+        """Lease the oldest due shard that is not leased or paused (one of ``shards``)."""
+        paused = HandlerPause.objects.using(self.using).filter(
+            kind=HandlerPause.Kind.SHARD, value=OuterRef("shard")
+        )
+        due = (
+            self._shards()
+            .filter(_free(), next_attempt_at__lte=Now())
+            .filter(~Exists(paused))
+            .order_by("next_attempt_at", "id")
+        )
+        if shards is not None:
+            due = due.filter(shard__in=list(shards))
+        with transaction.atomic(using=self.using):
+            found = list(
+                due.select_for_update(skip_locked=True).values_list(
+                    "id", "shard", "attempts", "head_id"
+                )[:1]
+            )
+            if not found:
+                return None
+            pk, shard, attempts, head_id = found[0]
+            won = (
+                self._shards()
+                .filter(_free(), id=pk)
+                .update(lease_token=token, leased_until=_later(lease_seconds))
+            )
+        if not won:
+            return None
+        return Lease(pk, shard, token, attempts, head_id)
+
+    def read(self, lease: Lease, limit: int) -> list[Row]:
+        """The first ``limit`` messages of the shard, in id order."""
+        rows = (
+            self._messages()
+            .filter(shard=lease.shard)
+            .order_by("id")
+            .values_list("id", "category", "object_id", "payload", "created_at")[:limit]
+        )
+        return [Row(*row) for row in rows]
+
+    def fence(self, lease: Lease, lease_seconds: float, **changes: Any) -> None:
+        """Check the lease, extend it and apply ``changes``, inside the current transaction.
+
+        Raises :class:`LeaseLost` when the token is gone. The row stays locked until
+        the surrounding transaction ends.
+        """
+        updated = (
+            self._shards()
+            .filter(id=lease.pk, lease_token=lease.token)
+            .update(leased_until=_later(lease_seconds), **changes)
+        )
+        if not updated:
+            raise LeaseLost(
+                f"the lease on shard {lease.shard!r} ended; another processor owns it"
+            )
+
+    def complete(self, lease: Lease, message_id: int, lease_seconds: float) -> None:
+        """Delete a message whose receiver succeeded (in the receiver's transaction)."""
+        self.fence(lease, lease_seconds, **_HEALTHY)
+        self._messages().filter(id=message_id, shard=lease.shard).delete()
+
+    def discard(
+        self,
+        lease: Lease,
+        ids: Sequence[int],
+        counts: dict[str, int],
+        lease_seconds: float,
+    ) -> None:
+        """Delete messages a newer one of the same key supersedes, and count them."""
+        with transaction.atomic(using=self.using):
+            self.fence(lease, lease_seconds)
+            self._messages().filter(id__in=list(ids), shard=lease.shard).delete()
+            for category, count in sorted(counts.items()):
+                self._count(category, coalesced=count)
+
+    def retry_later(
+        self, lease: Lease, row: Row, decision: FailureDecision, error: str
+    ) -> None:
+        """Back the shard off after its head failed, and give up the lease."""
+        with transaction.atomic(using=self.using):
+            self._shards().filter(id=lease.pk, lease_token=lease.token).update(
+                attempts=decision.attempts,
+                head_id=row.id,
+                last_error=error[-ERROR_LIMIT:],
+                failing_since=_failing_since(),
+                next_attempt_at=_later(decision.delay),
+                lease_token=None,
+                leased_until=None,
+            )
+
+    def dead_letter(
+        self, lease: Lease, row: Row, attempts: int, error: str, lease_seconds: float
+    ) -> None:
+        """Move the head to the dead letters; the shard goes on with the next message."""
+        shard = lease.shard
+        with transaction.atomic(using=self.using):
+            self.fence(lease, lease_seconds, **_HEALTHY)
+            HandlerDeadLetter.objects.using(self.using).create(
+                message_id=row.id,
+                category=row.category,
+                shard=shard,
+                object_id=row.object_id,
+                payload=row.payload,
+                created_at=row.created_at,
+                died_at=Now(),
+                attempts=attempts,
+                last_error=error[-ERROR_LIMIT:],
+            )
+            self._messages().filter(id=row.id, shard=shard).delete()
+            self._count(row.category, dead_lettered=1)
+
+    def hold(self, lease: Lease, category: str, recheck_seconds: float) -> None:
+        """Stop at a head whose category is paused; look again after ``recheck_seconds``."""
+        self._shards().filter(id=lease.pk, lease_token=lease.token).update(
+            held_by=category,
+            next_attempt_at=_later(recheck_seconds),
+            lease_token=None,
+            leased_until=None,
+        )
+
+    def release(self, lease: Lease) -> None:
+        """Give the shard up: delete its row when it holds no message, else make it due."""
+        has_messages = Exists(self._messages().filter(shard=OuterRef("shard")))
+        with transaction.atomic(using=self.using):
+            deleted, _ = (
+                self._shards()
+                .filter(~has_messages, id=lease.pk, lease_token=lease.token)
+                .delete()
+            )
+            if not deleted:
+                self.requeue(lease)
+
+    def requeue(self, lease: Lease) -> None:
+        """Give the lease up with the shard due now (it still holds messages)."""
+        self._shards().filter(id=lease.pk, lease_token=lease.token).update(
+            held_by="", next_attempt_at=Now(), lease_token=None, leased_until=None
+        )
+
+    def renew(self, lease: Lease, lease_seconds: float) -> bool:
+        """Extend the lease; False when it is no longer ours."""
+        return bool(
+            self._shards()
+            .filter(id=lease.pk, lease_token=lease.token)
+            .update(leased_until=_later(lease_seconds))
+        )
+
+    def _count(self, category: str, **increments: int) -> None:
+        counters = HandlerCounter.objects.using(self.using)
+        counters.bulk_create([HandlerCounter(category=category)], ignore_conflicts=True)
+        counters.filter(category=category).update(
+            **{name: F(name) + value for name, value in increments.items()}
+        )
+
+    # -- kill switches ----------------------------------------------------------
+
+    def pauses(self) -> Pauses:
+        """The categories and shards paused on this database."""
+        rows = HandlerPause.objects.using(self.using).values_list("kind", "value")
+        categories = {v for k, v in rows if k == HandlerPause.Kind.CATEGORY}
+        shards = {v for k, v in rows if k == HandlerPause.Kind.SHARD}
+        return Pauses(frozenset(categories), frozenset(shards))
+
+    def pause(self, kind: str, value: str, reason: str = "") -> bool:
+        """Pause a ``"category"`` or a ``"shard"``; False when it was already paused."""
+        kind = HandlerPause.Kind(kind)
+        if self.is_paused(kind, value):
+            return False
+        HandlerPause.objects.using(self.using).bulk_create(
+            [HandlerPause(kind=kind, value=value, reason=reason, created_at=Now())],
+            ignore_conflicts=True,
+        )
+        return True
+
+    def is_paused(self, kind: str, value: str) -> bool:
+        """Whether a pause row exists for (kind, value)."""
+        pauses = HandlerPause.objects.using(self.using)
+        return bool(pauses.filter(kind=kind, value=value).exists())
+
+    def resume(self, kind: str, value: str) -> bool:
+        """Lift a pause; the shards it stopped are due at once. False when none was set."""
+        with transaction.atomic(using=self.using):
+            deleted, _ = (
+                HandlerPause.objects.using(self.using)
+                .filter(kind=kind, value=value)
+                .delete()
+            )
+            if kind == HandlerPause.Kind.CATEGORY:
+                stopped = self._shards().filter(held_by=value)
+            else:
+                stopped = self._shards().filter(shard=value, attempts=0)
+            stopped.update(held_by="", next_attempt_at=Now())
+        return bool(deleted)
+
+    # -- what operators look at ---------------------------------------------------
+
+    def stats(self, top: int = 10) -> HandlerStats:
+        """Counts, ages and the ``top`` deepest shards."""
+        now = timezone.now()
+        messages = self._messages()
+        shards = self._shards()
+        pauses = self.pauses()
+        stuck = Q(attempts__gt=0) | ~Q(held_by="") | Q(shard__in=pauses.shards)
+        flowing = messages.exclude(shard__in=shards.filter(stuck).values("shard"))
+        deepest = (
+            messages.order_by()
+            .values("shard")
+            .annotate(n=Count("id"))
+            .order_by("-n", "shard")[:top]
+        )
+        counters = HandlerCounter.objects.using(self.using).order_by("category")
+        return HandlerStats(
+            database=self.using,
+            messages=messages.count(),
+            shards=shards.count(),
+            blocked=shards.filter(attempts__gt=0).count(),
+            paused_shards=shards.filter(
+                ~Q(held_by="") | Q(shard__in=pauses.shards)
+            ).count(),
+            paused_categories=tuple(sorted(pauses.categories)),
+            paused_shard_keys=tuple(sorted(pauses.shards)),
+            oldest_age=_age(now, messages.aggregate(m=Min("created_at"))["m"]),
+            lag=_age(now, flowing.aggregate(m=Min("created_at"))["m"]),
+            dead_letters=HandlerDeadLetter.objects.using(self.using).count(),
+            coalesced={c.category: c.coalesced for c in counters if c.coalesced},
+            dead_lettered={
+                c.category: c.dead_lettered for c in counters if c.dead_lettered
+            },
+            deepest=tuple(ShardDepth(d["shard"], d["n"]) for d in deepest),
+        )
+
+
+def _failing_since() -> Any:
+    return Coalesce(F("failing_since"), Now(), output_field=DateTimeField())
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else max(0.0, (now - then).total_seconds())

@@ -1,0 +1,216 @@
+"""Events end to end: a real relay, real workers of several services, RabbitMQ.
+
+Each service is its own Celery app (``tests/events_project``) with its own worker;
+handlers record what they ran in Redis. Retry steps are 1, 2 and 4 s.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from django.db import transaction
+from django.test import override_settings
+from kombu import Connection
+
+from celery_outbox.conf import get_settings
+from celery_outbox.events import archive
+from celery_outbox.events.topology import ServiceTopology
+from celery_outbox.models import OutboxMessage
+from tests.events_project.record import URL as RECORD_URL
+
+from ..integration.test_events import delete_topology, order_created_fixture  # noqa: F401
+from .conftest import BROKER_AMQP, REPO_ROOT, Proc, Stack, wait_until
+
+STEPS = 3
+SERVICES = ["billing", "shipping", "audit"]
+
+
+class Events:
+    """A stack whose workers are event services, on an exchange of this test only."""
+
+    def __init__(self, stack: Stack, exchange: str) -> None:
+        self.stack = stack
+        self.exchange = exchange
+        self.redis = redis.Redis.from_url(RECORD_URL)
+        stack.env.update(
+            DJANGO_SETTINGS_MODULE="tests.events_project.settings",
+            OUTBOX_TEST_EVENTS_EXCHANGE=exchange,
+            OUTBOX_TEST_EVENTS_RETRIES=str(STEPS),
+        )
+
+    def start_service(self, service: str) -> Proc:
+        args = [
+            sys.executable, "-m", "celery", "-A", f"tests.events_project.{service}",
+            "worker", "--pool", "threads", "--concurrency", "4",
+            "-Q", f"{self.exchange}:{service}:tasks",
+            "--hostname", f"{service}-{uuid.uuid4().hex[:6]}@%h",
+            "--without-heartbeat", "--without-gossip", "--without-mingle",
+            "-l", "warning",
+        ]  # fmt: skip
+        proc = self.stack._spawn(service, args)
+        proc.wait_for_output(f"events: service {service} consumes")
+        return proc
+
+    def records(self, service: str, phase: str) -> list[dict[str, Any]]:
+        raw = self.redis.lrange(f"{self.exchange}:{service}:handled", 0, -1)
+        rows = [json.loads(item) for item in raw]
+        return [row for row in rows if row["phase"] == phase]
+
+    def set_flag(self, service: str, name: str, on: bool) -> None:
+        key = f"{self.exchange}:{service}:handled:{name}"
+        self.redis.set(key, 1) if on else self.redis.delete(key)
+
+    def command(self, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "manage.py", "outbox", "events", *args],
+            cwd=REPO_ROOT, env=self.stack.env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr + done.stdout
+        return done.stdout
+
+    def cleanup(self) -> None:
+        for key in self.redis.scan_iter(f"{self.exchange}:*"):
+            self.redis.delete(key)
+        delete_topology(self.exchange, SERVICES, STEPS)
+        with Connection(BROKER_AMQP, connect_timeout=5) as connection:
+            channel = connection.channel()
+            for service in SERVICES:
+                channel.queue_delete(f"{self.exchange}:{service}:tasks")
+                channel.exchange_delete(f"{self.exchange}:{service}:tasks")
+            channel.close()
+
+
+@pytest.fixture
+def events(e2e: Callable[..., Stack]) -> Iterator[Events]:
+    exchange = f"test-events-{uuid.uuid4().hex[:8]}"
+    with override_settings(
+        CELERY_OUTBOX_EVENTS_EXCHANGE=exchange, CELERY_OUTBOX_EVENTS_MAX_RETRIES=STEPS
+    ):
+        stack = e2e()
+        helper = Events(stack, exchange)
+        try:
+            yield helper
+        finally:
+            stack.stop_all()
+            helper.cleanup()
+
+
+def fire(event: Any, numbers: range, rollback_every: int = 0) -> set[int]:
+    committed = set()
+    for number in numbers:
+        with transaction.atomic():
+            event(number, "9.90")
+            if rollback_every and number % rollback_every == 0:
+                transaction.set_rollback(True)
+                continue
+        committed.add(number)
+    return committed
+
+
+def test_two_services_each_handle_every_committed_event_once(
+    events: Events, order_created: Any
+) -> None:
+    events.start_service("billing")
+    events.start_service("shipping")
+    events.stack.start_relay()
+    started = time.monotonic()
+    committed = fire(order_created, range(1000), rollback_every=5)
+    fired = time.monotonic()
+    assert len(committed) == 800
+    wait_until(lambda: not OutboxMessage.objects.exists(), 120, "the relay to drain")
+    drained = time.monotonic()
+    for service in ("billing", "shipping"):
+        done = functools.partial(events.records, service, "done")
+        wait_until(
+            lambda: len(done()) >= 800, 150,  # noqa: B023 (used in this iteration)
+            f"{service} to handle 800 events", lambda: str(len(done())),  # noqa: B023
+        )  # fmt: skip
+    handled = time.monotonic()
+    time.sleep(2)  # anything extra (a duplicate, a rolled-back event) would show now
+    for service in ("billing", "shipping"):
+        numbers = [row["payload"] for row in events.records(service, "done")]
+        assert sorted(numbers) == sorted(committed), service
+    print(
+        f"\nfired 1000 (800 committed) in {fired - started:.1f} s; relay published "
+        f"all by {drained - started:.1f} s; both services "
+        f"handled all in {handled - started:.1f} s "
+        f"({1600 / (handled - started):.0f} handled/s end to end)"
+    )
+    # A service started later gets only what is fired after its queue exists.
+    events.start_service("audit")
+    later = fire(order_created, range(5000, 5010))
+    wait_until(lambda: len(events.records("audit", "done")) >= 10, 60, "audit")
+    time.sleep(1)
+    assert sorted(row["payload"] for row in events.records("audit", "done")) == sorted(
+        later
+    )
+    events.stack.assert_alive()
+
+
+def test_failing_handler_is_retried_on_the_broker_then_archived_and_replayed(
+    events: Events, order_created: Any
+) -> None:
+    events.set_flag("billing", "fail", True)
+    events.start_service("billing")
+    events.stack.start_relay()
+    fire(order_created, range(1, 2))
+    topology = ServiceTopology(get_settings(), "billing", ("order.*",))
+    with Connection(BROKER_AMQP, connect_timeout=5) as connection:
+        wait_until(
+            lambda: archive.count(connection, topology) == 1, 60, "the archived event",
+            lambda: str(events.records("billing", "start")),
+        )  # fmt: skip
+    starts = [row["at"] for row in events.records("billing", "start")]
+    assert len(starts) == 1 + STEPS
+    delays = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    print(f"\nretry delays {[round(d, 2) for d in delays]} for steps 1, 2, 4 s")
+    for step, delay in enumerate(delays):
+        expected = 2**step
+        assert abs(delay - expected) <= max(0.1 * expected, 0.5), delays
+    assert "retries=3" in events.command(
+        "--app", "tests.events_project.billing.app", "archive", "list"
+    )
+    events.set_flag("billing", "fail", False)  # the fix is deployed
+    out = events.command(
+        "--app", "tests.events_project.billing.app", "archive", "replay", "--all"
+    )
+    assert "replayed 1" in out
+    wait_until(lambda: len(events.records("billing", "done")) == 1, 30, "the replay")
+    time.sleep(1.5)
+    assert [row["payload"] for row in events.records("billing", "done")] == [1]
+    assert (
+        events.command(
+            "--app", "tests.events_project.billing.app", "archive", "count"
+        ).strip()
+        == "0"
+    )
+
+
+def test_a_worker_killed_mid_handler_gets_the_event_again(
+    events: Events, order_created: Any
+) -> None:
+    events.set_flag("shipping", "slow", True)
+    worker = events.start_service("shipping")
+    events.stack.start_relay()
+    fire(order_created, range(42, 43))
+    wait_until(lambda: len(events.records("shipping", "start")) == 1, 60, "the start")
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.popen.wait(15)
+    worker.long_running = False
+    events.set_flag("shipping", "slow", False)
+    events.start_service("shipping")
+    wait_until(lambda: len(events.records("shipping", "done")) == 1, 60, "redelivery")
+    assert [row["payload"] for row in events.records("shipping", "done")] == [42]

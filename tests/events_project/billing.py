@@ -1,0 +1,24 @@
+"""The billing service: its own app (own name, own queues)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.events_project.settings")
+
+from celery_outbox import OutboxCelery
+from tests.events_project.record import flag, record
+
+app = OutboxCelery("billing")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+
+
+@app.handler("order.*")
+def on_order(order_id: int, *rest: object, **more: object) -> None:
+    record("billing", "order", order_id, phase="start")
+    if flag("billing", "slow"):
+        time.sleep(30)
+    if flag("billing", "fail"):
+        raise RuntimeError("failing on purpose")
+    record("billing", "order", order_id, phase="done")

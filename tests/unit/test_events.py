@@ -1,0 +1,179 @@
+"""Events: names and patterns, the retry decision and the topology (pure, no broker)."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from celery_outbox import OutboxCelery
+from celery_outbox.conf import OutboxSettings
+from celery_outbox.events.delivery import Decision, Fate, decide
+from celery_outbox.events.names import check_event_name, check_service, matches, overlap
+from celery_outbox.events.registry import registry_of
+from celery_outbox.events.topology import ServiceTopology, retry_delay
+from celery_outbox.exceptions import OutboxConfigurationError
+
+
+@pytest.mark.parametrize(
+    ("pattern", "name", "expected"),
+    [
+        ("order.created", "order.created", True),
+        ("order.*", "order.created", True),
+        ("order.*", "order.created.eu", False),
+        ("order.#", "order.created.eu", True),
+        ("order.#", "order", True),
+        ("#", "anything.at.all", True),
+        ("*.created", "order.created", True),
+        ("*.created", "order.paid", False),
+    ],
+)
+def test_topic_matching_follows_rabbitmq(
+    pattern: str, name: str, expected: bool
+) -> None:
+    assert matches(pattern, name) is expected
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "expected"),
+    [
+        ("order.*", "order.created", True),
+        ("order.*", "*.created", True),
+        ("order.*", "invoice.*", False),
+        ("order.#", "#.paid", True),
+        ("order.*.eu", "order.*", False),
+        ("a.#.b", "a.b", True),
+    ],
+)
+def test_pattern_overlap(first: str, second: str, expected: bool) -> None:
+    assert overlap(first, second) is expected
+    assert overlap(second, first) is expected
+
+
+@pytest.mark.parametrize("name", ["", "order.*", "order..created", "a:b", "x" * 200])
+def test_bad_event_names_are_refused(name: str) -> None:
+    with pytest.raises(OutboxConfigurationError):
+        check_event_name(name)
+
+
+@pytest.mark.parametrize("name", [None, "", "__main__", "bill:ing"])
+def test_a_service_needs_a_usable_name(name: object) -> None:
+    with pytest.raises(OutboxConfigurationError, match="service name"):
+        check_service(name)
+
+
+def test_retry_then_archive() -> None:
+    assert decide(0, 3, retryable=True) == Decision(Fate.RETRY, 0)
+    assert decide(2, 3, retryable=True) == Decision(Fate.RETRY, 2)
+    assert decide(3, 3, retryable=True) == Decision(Fate.ARCHIVE)
+    assert decide(0, 3, retryable=False) == Decision(Fate.ARCHIVE)
+    assert decide(0, 0, retryable=True) == Decision(Fate.ARCHIVE)
+
+
+def test_topology_retry_steps_archive_and_quorum() -> None:
+    settings = OutboxSettings(events_exchange="ev", events_max_retries=3)
+    topology = ServiceTopology(settings, "billing", ("order.*",))
+    steps = [q.queue_arguments["x-message-ttl"] for q in topology.support_queues()[:-1]]
+    assert steps == [1000, 2000, 4000]
+    assert [retry_delay(n) for n in range(3)] == [1.0, 2.0, 4.0]
+    queue = topology.event_queue("order.*")
+    assert queue.name == "ev:billing:order.*"
+    assert queue.queue_arguments == {
+        "x-dead-letter-exchange": "ev:billing:retry:0",
+        "x-dead-letter-routing-key": "ev:billing:order.*",
+    }
+    assert {(b.exchange.name, b.routing_key) for b in queue.bindings} == {
+        ("ev", "order.*"),
+        ("ev:billing:recover", "ev:billing:order.*"),
+    }
+    archive = topology.archive_queue()
+    assert archive.queue_arguments == {
+        "x-message-ttl": 604800000,
+        "x-max-length": 10000,
+    }
+    quorum = ServiceTopology(
+        OutboxSettings(events_queue_type="quorum"), "billing", ("a",)
+    )
+    assert all(
+        q.queue_arguments["x-queue-type"] == "quorum"
+        for q in [*quorum.event_queues(), *quorum.support_queues()]
+    )
+
+
+def test_overlapping_handlers_in_one_service_are_refused() -> None:
+    app = OutboxCelery("overlap-service", set_as_current=False)
+    app.handler("order.*")(lambda order_id: None)
+    with pytest.raises(OutboxConfigurationError, match="overlap"):
+        app.handler("order.created")(lambda order_id: None)
+
+
+def test_two_apps_with_one_name_are_refused() -> None:
+    first = OutboxCelery("twin-service", set_as_current=False)
+    first.handler("a.b")(lambda: None)
+    second = OutboxCelery("twin-service", set_as_current=False)
+    with pytest.raises(OutboxConfigurationError, match="both named 'twin-service'"):
+        second.handler("c.d")(lambda: None)
+
+
+def test_an_app_without_a_name_is_refused() -> None:
+    app = OutboxCelery(set_as_current=False)
+    with pytest.raises(OutboxConfigurationError, match="unique service name"):
+        app.handler("a.b")(lambda: None)
+
+
+def test_registry_is_per_app() -> None:
+    app = Celery("plain-service", set_as_current=False)
+    registry = registry_of(app)
+    registry.add_handler("x.y", lambda: None)
+    assert registry_of(app) is registry
+    assert registry.handler_for("x.y") is not None
+    assert registry.handler_for("x.z") is None
+
+
+class _Transport:
+    def __init__(self, driver_type: str) -> None:
+        self.driver_type = driver_type
+
+
+class _Connection:
+    """Only what :func:`check_broker` reads of a kombu connection."""
+
+    def __init__(self, driver_type: str, version: str = "3.13.0") -> None:
+        self.transport = _Transport(driver_type)
+        self.connection = type("Raw", (), {"server_properties": {"version": version}})
+
+
+def test_a_broker_without_dead_letter_exchanges_is_refused() -> None:
+    from celery_outbox.events.declare import check_broker
+
+    with pytest.raises(OutboxConfigurationError, match="dead-letter exchanges"):
+        check_broker(_Connection("redis"), OutboxSettings())
+    check_broker(_Connection("amqp"), OutboxSettings())
+
+
+def test_quorum_queues_need_a_rabbitmq_that_honours_their_ttl() -> None:
+    from celery_outbox.events.declare import check_broker
+
+    quorum = OutboxSettings(events_queue_type="quorum")
+    with pytest.raises(OutboxConfigurationError, match=r"RabbitMQ 3\.9"):
+        check_broker(_Connection("amqp", "3.9.29"), quorum)
+    check_broker(_Connection("amqp", "3.10.8"), quorum)
+
+
+def test_event_settings_are_validated() -> None:
+    from celery_outbox.conf import load_settings
+
+    class Good:
+        CELERY_OUTBOX_EVENTS_ARCHIVE_TTL = "2d"
+        CELERY_OUTBOX_EVENTS_QUEUE_TYPE = "quorum"
+        CELERY_OUTBOX_EVENTS_MAX_RETRIES = 0
+
+    loaded = load_settings(Good)
+    assert (loaded.events_archive_ttl, loaded.events_max_retries) == (172800.0, 0)
+
+    class Bad:
+        CELERY_OUTBOX_EVENTS_QUEUE_TYPE = "stream"
+        CELERY_OUTBOX_EVENTS_MAX_RETRIES = 30
+        CELERY_OUTBOX_EVENTS_EXCHANGE = "a:b"
+
+    with pytest.raises(OutboxConfigurationError, match="3 celery-outbox settings"):
+        load_settings(Bad)
