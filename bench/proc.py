@@ -5,6 +5,8 @@
     to the database and the broker, prints ``ready``, waits for ``go`` on stdin, runs
     until no row is due and prints ``done {"start": .., "end": ..}`` (monotonic
     clock). Process start-up and connecting are thus left out of the drain time.
+    With ``OUTBOX_BENCH_LIBRARY_ONLY=1`` it publishes through the libraries alone
+    (py-amqp encodes every publish; kombu's ``Producer`` sends to Redis).
 
 ``python -m bench.proc consume SECONDS``
     Consumes the run's RabbitMQ queue (no ack) and prints ``<task id> <monotonic>``
@@ -14,19 +16,36 @@
 from __future__ import annotations
 
 import json
+import os
 import select
 import sys
 import time
+
+#: Set to "1" in a relay's environment, the relay publishes through the libraries
+#: alone: py-amqp encodes every publish, kombu's ``Producer`` sends to Redis.
+LIBRARY_ONLY = "OUTBOX_BENCH_LIBRARY_ONLY"
 
 
 def relay() -> int:
     from bench import env
 
     env.setup_django()
+    from celery_outbox.app import resolve_app
+    from celery_outbox.broker import build_publisher
+    from celery_outbox.broker.amqp import AmqpPublisher
+    from celery_outbox.broker.amqpframes import PublishEncoder
+    from celery_outbox.broker.redis import RedisPublisher
     from celery_outbox.conf import get_settings
     from celery_outbox.relay.runner import build_relay
 
-    runner = build_relay(get_settings(), until_empty=True)
+    settings = get_settings()
+    publisher = build_publisher(resolve_app(settings), settings)
+    if os.environ.get(LIBRARY_ONLY) == "1":
+        if isinstance(publisher, AmqpPublisher):
+            publisher.encoder = PublishEncoder(None)
+        elif isinstance(publisher, RedisPublisher):
+            publisher.direct = False
+    runner = build_relay(settings, publisher=publisher, until_empty=True)
     runner.publisher.ping()
     print("ready", flush=True)
     line = sys.stdin.readline().strip()

@@ -2,7 +2,8 @@
 
 A batch is published back to back with ``mandatory`` set, then the relay waits once
 for all its confirms. The relay encodes each publish's frames itself
-(:mod:`.amqpframes`, the bytes py-amqp would write) and sends the batch in a few
+(:mod:`.amqpframes`, the bytes py-amqp would write, once a start-up check showed
+that they are) and sends the batch in a few
 large writes. A nack or a basic.return fails only that message. If the
 broker closes the channel because of one message (too large, unknown exchange),
 the unconfirmed messages are sent again one at a time, so the poison message fails
@@ -24,7 +25,7 @@ from amqp.method_framing import frame_writer
 from ..envelope import StoredMessage, as_dict
 from ..outcomes import Outcome, PublishResult
 from ..queues import queues_to_declare
-from .amqpframes import publish_frames
+from .amqpframes import PublishEncoder
 from .base import (
     Budget,
     ResourceAlarm,
@@ -239,8 +240,15 @@ class AmqpPublisher:
         *,
         confirm: bool = True,
         mandatory: bool = True,
+        encoder: PublishEncoder | None = None,
     ) -> None:
-        """``connect`` returns a new kombu Connection; ``resolve_queue`` maps a name to a Queue."""
+        """``connect`` returns a new kombu Connection; ``resolve_queue`` maps a name to a Queue.
+
+        ``encoder`` puts each publish into frames: by default the relay's own encoder
+        once its start-up check passed, else py-amqp (see :mod:`.amqpframes`).
+        """
+        #: How publishes are encoded; ``PublishEncoder(None)`` leaves all to py-amqp.
+        self.encoder = encoder or PublishEncoder()
         self._connect = connect
         self._resolve_queue = resolve_queue
         self._confirm = confirm
@@ -310,6 +318,7 @@ class AmqpPublisher:
 
     def ping(self) -> None:
         """Open (or reuse) the channel; raises when the broker is unreachable."""
+        self.encoder.check()  # at start: its warning, if any, comes with the relay's
         self._open_channel()
 
     def close(self) -> None:
@@ -506,7 +515,7 @@ class AmqpPublisher:
                 priority=envelope.priority,
                 **envelope_properties(message),
             )
-            frames = publish_frames(
+            frames = self.encoder.frames(
                 channel.channel_id,
                 connection.frame_max,
                 envelope.exchange,

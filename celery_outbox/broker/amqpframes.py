@@ -9,21 +9,36 @@ most of what a relay spends per message on RabbitMQ (more than the socket).
 ``channel.basic_publish(amqp.Message(body, **properties), exchange, routing_key,
 mandatory)``: the method frame, the content header frame and the body frames. It
 handles the values JSON can hold (the stored headers and properties always are
-JSON); for anything else (a ``Decimal``, a ``datetime``, bytes, a subclass of a
-built-in type, a property name py-amqp's ``Message`` takes for itself) it lets
-py-amqp encode the properties, so the bytes and the errors stay py-amqp's own. The
-unit tests compare both encoders byte for byte.
+JSON); a message with anything else (a ``Decimal``, a ``datetime``, bytes, a subclass
+of a built-in type, a property name py-amqp's ``Message`` takes for itself) is left
+to py-amqp whole, so its bytes and its errors are py-amqp's own.
+
+The bytes are py-amqp's only as long as py-amqp writes what this module assumes.
+:class:`PublishEncoder` therefore checks, before its first message, that both
+encoders write the same bytes for a few representative messages
+(:func:`self_check`); when they differ it logs a warning once and leaves every
+message to py-amqp.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import amqp
 from amqp import spec
+from amqp.method_framing import frame_writer
 from amqp.serialization import dumps
+
+logger = logging.getLogger("celery_outbox.broker")
+
+#: An encoder: (channel id, frame_max, exchange, routing key, mandatory, body,
+#: properties) -> the publish's frames, or None to leave the message to py-amqp.
+Encode = Callable[[int, int, str, str, bool, bytes, Mapping[str, Any]], bytes | None]
+#: py-amqp's encoder, the same arguments: the frames it writes.
+Reference = Callable[[int, int, str, str, bool, bytes, Mapping[str, Any]], bytes]
 
 #: py-amqp's order of the basic properties, with their AMQP types.
 PROPERTIES: tuple[tuple[str, str], ...] = tuple(amqp.Message.PROPERTIES)
@@ -79,17 +94,21 @@ def publish_frames(
     """Every frame of the publish, as py-amqp would write them.
 
     None when the message should go through py-amqp's own ``basic_publish``: a body
-    that is not bytes, or a property named like an argument of ``amqp.Message``.
-    Raises what py-amqp would raise for a message it cannot encode (a
-    ``FrameSyntaxError``, ``struct.error``, ``TypeError``...), before anything is sent.
+    that is not bytes, a property named like an argument of ``amqp.Message``, or a
+    value outside what JSON holds. Raises what py-amqp would raise for a JSON value
+    it cannot encode (``struct.error`` for an integer past 64 bits, a
+    ``FrameSyntaxError`` for a name over 255 bytes...), before anything is sent.
     """
     if type(body) is not bytes or not _NOT_PROPERTIES.isdisjoint(properties):
         return None
+    try:
+        method = _METHOD + _publish_arguments(exchange, routing_key, mandatory)
+        header = _CONTENT_HEAD(spec.Basic.Publish[0], 0, len(body)) + _properties(
+            properties
+        )
+    except _Unusual:
+        return None
     chunk = frame_max - 8
-    method = _METHOD + _publish_arguments(exchange, routing_key, mandatory)
-    header = _CONTENT_HEAD(spec.Basic.Publish[0], 0, len(body)) + encode_properties(
-        properties
-    )
     parts = [
         _FRAME_HEAD(1, channel_id, len(method)),
         method,
@@ -104,33 +123,54 @@ def publish_frames(
     return b"".join(parts)
 
 
+def library_frames(
+    channel_id: int,
+    frame_max: int,
+    exchange: str,
+    routing_key: str,
+    mandatory: bool,
+    body: bytes,
+    properties: Mapping[str, Any],
+) -> bytes:
+    """What py-amqp writes for ``channel.basic_publish(amqp.Message(body, **properties),
+    exchange, routing_key, mandatory)``: its ``frame_writer`` fed as ``basic_publish``
+    feeds it, on a connection of ``frame_max``."""
+    written: list[bytes] = []
+    write_frame = frame_writer(
+        _Connection(frame_max), _Transport(lambda data: written.append(bytes(data)))
+    )
+    arguments = dumps("Bssbb", (0, exchange, routing_key, mandatory, False))
+    message = amqp.Message(body, **properties)
+    write_frame(1, channel_id, spec.Basic.Publish, arguments, message)
+    return b"".join(written)
+
+
+class _Connection:
+    """The two attributes py-amqp's frame writer reads and counts."""
+
+    def __init__(self, frame_max: int) -> None:
+        self.frame_max = frame_max
+        self.bytes_sent = 0
+
+
+class _Transport:
+    def __init__(self, write: Callable[[Any], None]) -> None:
+        self.write = write
+
+
 def _publish_arguments(exchange: Any, routing_key: Any, mandatory: bool) -> bytes:
     """The arguments of ``basic.publish`` after its reserved short."""
-    try:
-        return b"".join(
-            (
-                _shortstr(exchange or ""),
-                _shortstr(routing_key or ""),
-                b"\x01" if mandatory else b"\x00",
-            )
+    return b"".join(
+        (
+            _shortstr(exchange or ""),
+            _shortstr(routing_key or ""),
+            b"\x01" if mandatory else b"\x00",
         )
-    except _Unusual:
-        return dumps("ssbb", (exchange, routing_key, mandatory, False))
+    )
 
 
-def encode_properties(properties: Mapping[str, Any]) -> bytes:
-    """The property flags and list of a content header, as ``amqp.Message`` writes them.
-
-    ``properties`` must not hold a name ``amqp.Message`` takes as an argument.
-    """
-    try:
-        return _fast_properties(properties)
-    except _Unusual:
-        encoded: bytes = amqp.Message(**properties)._serialize_properties()  # type: ignore[attr-defined]
-        return encoded
-
-
-def _fast_properties(properties: Mapping[str, Any]) -> bytes:
+def _properties(properties: Mapping[str, Any]) -> bytes:
+    """The property flags and list of a content header, as ``amqp.Message`` writes them."""
     if not _ONE_FLAG_WORD:
         raise _Unusual
     flags = 0
@@ -228,3 +268,168 @@ def _item(value: Any, parts: list[bytes]) -> None:
         parts += (b"A", _array(value))
     else:
         raise _Unusual
+
+
+# -- the start-up check ----------------------------------------------------------
+
+
+def _celery_headers(task_id: str, number: int) -> dict[str, Any]:
+    """A Celery task message's headers, with a value of every JSON kind."""
+    return {
+        "lang": "py",
+        "task": "shop.send_receipt",
+        "id": task_id,
+        "shadow": None,
+        "eta": None,
+        "expires": "2026-01-02T03:04:05.678901+00:00",
+        "group": None,
+        "group_index": None,
+        "retries": number,
+        "timelimit": [None, 30.5],
+        "root_id": task_id,
+        "parent_id": None,
+        "argsrepr": f"({number}, 'déjà vu')",
+        "kwargsrepr": "{}",
+        "origin": "gen1@web-1",
+        "ignore_result": False,
+        "replaced_task_nesting": 0,
+        "stamped_headers": None,
+        "stamps": {"tenant": ["a", 1, True, None, {"deep": -2.5}]},
+        "x-limits": [2**31 - 1, 2**31, -(2**31) + 1, -(2**31), 2**63 - 1, -(2**63)],
+        "x-float": -0.0,
+    }
+
+
+#: (frame_max, channel id, exchange, routing key, mandatory, body, properties) of the
+#: messages :func:`self_check` encodes both ways.
+SAMPLES: tuple[tuple[int, int, str, str, bool, bytes, dict[str, Any]], ...] = (
+    (
+        131072,
+        1,
+        "",
+        "celery",
+        True,
+        b'[[42], {}, {"callbacks": null, "errbacks": null, "chain": null}]',
+        {
+            "content_type": "application/json",
+            "content_encoding": "utf-8",
+            "application_headers": _celery_headers("b1e4a0c2-0000-4000-8000-1", 0),
+            "priority": 0,
+            "correlation_id": "b1e4a0c2-0000-4000-8000-1",
+            "reply_to": "6c7f2b1e-1d4b-3f0a-9a53-5d1c1e0c2a11",
+            "delivery_mode": 2,
+        },
+    ),
+    (
+        4096,
+        7,
+        "orders",
+        "orders.created",
+        False,
+        bytes(range(256)) * 40,  # several body frames
+        {
+            "content_type": "application/x-msgpack",
+            "content_encoding": "binary",
+            "application_headers": _celery_headers("b1e4a0c2-0000-4000-8000-2", 3),
+            "priority": 9,
+            "correlation_id": "b1e4a0c2-0000-4000-8000-2",
+            "delivery_mode": 1,
+            "expiration": "60000",
+        },
+    ),
+)
+
+
+def self_check(
+    encode: Encode = publish_frames, reference: Reference = library_frames
+) -> str | None:
+    """What differs between ``encode`` and ``reference`` on :data:`SAMPLES`; None if nothing.
+
+    Each sample is encoded twice by ``encode``, so that its second encoding comes
+    from the values it kept from the first.
+    """
+    for sample in (*SAMPLES, *SAMPLES):
+        frame_max, channel_id, exchange, routing_key, mandatory, body, props = sample
+        args = (channel_id, frame_max, exchange, routing_key, mandatory, body, props)
+        try:
+            ours = encode(*args)
+            theirs = reference(*args)
+        except Exception as exc:
+            return f"encoding a sample message raised {exc!r}"
+        if ours is None:
+            return "the relay's encoder left a sample message to py-amqp"
+        if ours != theirs:
+            at = next(
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
+                    if a != b
+                ),
+                min(len(ours), len(theirs)),
+            )
+            return (
+                f"a sample message's frames differ from byte {at} on; "
+                f"{len(ours)} bytes, py-amqp wrote {len(theirs)}"
+            )
+    return None
+
+
+class PublishEncoder:
+    """Encodes each publish with the relay's own encoder, once it proved it writes
+    what py-amqp writes; otherwise leaves every message to py-amqp.
+
+    ``encode`` is the relay's encoder (None: py-amqp for everything) and
+    ``reference`` py-amqp's; both are parameters so that tests can hand in an
+    encoder that fails the check.
+    """
+
+    def __init__(
+        self,
+        encode: Encode | None = publish_frames,
+        *,
+        reference: Reference = library_frames,
+    ) -> None:
+        self._encode = encode
+        self._reference = reference
+        #: Whether the check ran (or was not needed), and the encoder it left.
+        self._decided = encode is None
+        self._use: Encode | None = None
+
+    def check(self) -> bool:
+        """Whether the relay's own encoder is used; the first call runs the check."""
+        return self._encoder() is not None
+
+    def frames(
+        self,
+        channel_id: int,
+        frame_max: int,
+        exchange: str,
+        routing_key: str,
+        mandatory: bool,
+        body: bytes,
+        properties: Mapping[str, Any],
+    ) -> bytes | None:
+        """The publish's frames; None: send it with py-amqp's ``basic_publish``."""
+        encode = self._use if self._decided else self._encoder()
+        if encode is None:
+            return None
+        return encode(
+            channel_id, frame_max, exchange, routing_key, mandatory, body, properties
+        )
+
+    def _encoder(self) -> Encode | None:
+        if not self._decided:
+            assert self._encode is not None
+            problem = self_check(self._encode, self._reference)
+            if problem is None:
+                self._use = self._encode
+            else:
+                logger.warning(
+                    "The relay's own AMQP frame encoder does not write what py-amqp "
+                    "%s writes (%s); py-amqp encodes every message instead. This "
+                    "costs speed, not correctness.",
+                    getattr(amqp, "__version__", "?"),
+                    problem,
+                )
+            self._decided = True
+        return self._use

@@ -17,12 +17,21 @@ transport configured with another body encoding) are published through kombu's
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
+import reprlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..envelope import JsonObject, StoredMessage, json_text
+from ..envelope import (
+    Envelope,
+    JsonObject,
+    StoredMessage,
+    as_dict,
+    dump_json,
+    json_text,
+)
 from ..outcomes import Outcome, PublishResult
 from .base import Budget, broker_condition, describe, envelope_properties
 from .kombu import KombuPublisher, logger
@@ -50,15 +59,40 @@ class RedisPublisher(KombuPublisher):
     #: passes this many bytes; then the list's next ``LPUSH`` starts. Redis reads a
     #: whole command into memory before it runs it.
     PUSH_BYTES = 1024 * 1024
+    #: Whether the direct path may be used at all; False sends every message through
+    #: kombu's ``Producer`` (the benchmark compares both).
+    direct = True
+    #: The start-up check's verdict on this publisher; None until it ran.
+    _checked: bool | None = None
+
+    def ping(self) -> None:
+        """Connect (or reuse the connection) and check the direct path now."""
+        self._direct_path(self._open().channel)
 
     def _publish_batch(
         self, producer: Any, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult] | None:
         """One pipeline for the batch; the broker took it once it executed."""
         channel = producer.channel
-        if not direct_path_available(channel):
+        if not self._direct_path(channel):
             return super()._publish_batch(producer, messages, budget)
         return self._pipelined(producer, channel, messages, budget)
+
+    def _direct_path(self, channel: Any) -> bool:
+        """Whether batches on ``channel`` take the direct path; checks it the first time."""
+        if not (self.direct and direct_path_available(channel)):
+            return False
+        if self._checked is None:
+            problem = direct_path_problem(channel)
+            if problem is not None:
+                logger.warning(
+                    "The relay's direct Redis path does not match this kombu's Redis "
+                    "transport (%s); kombu's Producer publishes every message "
+                    "instead. This costs speed, not correctness.",
+                    problem,
+                )
+            self._checked = problem is None
+        return self._checked
 
     def _pipelined(
         self,
@@ -189,6 +223,105 @@ def direct_path_available(channel: Any) -> bool:
     return all(hasattr(channel, name) for name in CHANNEL_API) and (
         channel.body_encoding == "base64"
     )
+
+
+def _samples() -> list[tuple[StoredMessage, int]]:
+    """Messages :func:`direct_path_problem` writes, with the priority each goes out with:
+    one as the enqueue path builds it, one as a claim reads it from the table."""
+    headers = {
+        "lang": "py",
+        "task": "shop.send_receipt",
+        "id": "b1e4a0c2-0000-4000-8000-000000000001",
+        "eta": None,
+        "retries": 0,
+        "timelimit": [None, 30.5],
+        "ignore_result": False,
+        "stamps": {"tenant": ["a", 1]},
+        "argsrepr": "(42, 'déjà vu')",
+    }
+    properties = {
+        "correlation_id": "b1e4a0c2-0000-4000-8000-000000000001",
+        "reply_to": "6c7f2b1e-1d4b-3f0a-9a53-5d1c1e0c2a11",
+        "delivery_mode": 2,
+    }
+    built = Envelope(
+        task_id=str(headers["id"]),
+        task_name="shop.send_receipt",
+        exchange="",
+        routing_key="celery",
+        body=b'[[42], {}, {"callbacks": null}]',
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers=headers,
+        properties={**properties, "priority": 0},
+    )
+    claimed = dataclasses.replace(
+        built,
+        routing_key="celery-outbox-check",
+        body=bytes(range(256)),
+        content_type="application/x-msgpack",
+        content_encoding="binary",
+        headers=JsonObject(dump_json(headers)),
+        properties=JsonObject(
+            dump_json({**properties, "delivery_mode": 1, "priority": 7})
+        ),
+    )
+    return [(StoredMessage(1, 0, built), 0), (StoredMessage(2, 0, claimed), 7)]
+
+
+def direct_path_problem(channel: Any) -> str | None:
+    """What keeps the direct path from writing, on ``channel``, documents kombu reads
+    back as the messages sent; None when nothing does.
+
+    kombu's channel must answer its private names (``_q_for_pri``, ``_lookup``,
+    ``_expires``) as the direct path expects, the documents must have the fields of
+    kombu's own (``prepare_message``), and kombu's consumer side
+    (``message_to_python``) must read each sample document back as its message.
+    """
+    try:
+        if channel._q_for_pri("celery", 0) != "celery":
+            return "the list of priority 0 is not the queue's own"
+        if not isinstance(channel._q_for_pri("celery", 7), str):
+            return "a priority's list has no name"
+        if list(channel._lookup("", "celery")) != ["celery"]:
+            return "the default exchange routes elsewhere"
+        if "celery-outbox-check" in channel._expires:
+            return "an expiry is known for a queue that does not exist"
+        fields = channel.prepare_message(b"", 0, "", "", {}, {}).keys()
+        for message, priority in _samples():
+            envelope = message.envelope
+            route = {"exchange": envelope.exchange, "routing_key": envelope.routing_key}
+            tag = next(_delivery_tags(1))
+            document = json.loads(_payload(message, tag, json.dumps(route))[0])
+            if document.keys() != fields:
+                return f"kombu writes the fields {sorted(fields)}"
+            read = channel.message_to_python(document)
+            expected = as_dict(envelope.properties)
+            pairs = {
+                "body": (read.body, envelope.body),
+                "headers": (read.headers, as_dict(envelope.headers)),
+                "content type": (read.content_type, envelope.content_type),
+                "encoding": (read.content_encoding, envelope.content_encoding),
+                "delivery info": (read.delivery_info, route),
+                "delivery tag": (read.delivery_tag, tag),
+                "priority": (read.properties.get("priority"), priority),
+                "delivery mode": (
+                    read.properties.get("delivery_mode"),
+                    expected["delivery_mode"],
+                ),
+                "correlation id": (
+                    read.properties.get("correlation_id"),
+                    expected["correlation_id"],
+                ),
+            }
+            for name, (got, sent) in pairs.items():
+                if got != sent:
+                    return (
+                        f"kombu reads a sample message's {name} as {reprlib.repr(got)}"
+                    )
+    except Exception as exc:
+        return f"the check raised {exc!r}"
+    return None
 
 
 def _route(channel: Any, exchange: str, routing_key: str) -> list[str] | None:

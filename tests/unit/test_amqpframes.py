@@ -1,60 +1,34 @@
 """The relay's own publish frames are the bytes py-amqp's frame writer writes.
 
 Each case encodes one publish both ways: with :func:`publish_frames` and with
-py-amqp's ``frame_writer`` fed exactly what ``channel.basic_publish`` feeds it. The
-bytes must be equal, or both must refuse the message with the same kind of error.
+:func:`library_frames`, py-amqp's ``frame_writer`` fed exactly what
+``channel.basic_publish`` feeds it. The bytes must be equal, or both must refuse the
+message with the same kind of error, or the relay's encoder must leave the message
+to py-amqp. :class:`PublishEncoder` uses the relay's encoder only once its start-up
+check found the two equal; the last tests hand it encoders that fail the check.
 """
 
 from __future__ import annotations
 
 import datetime
 import decimal
+import logging
 import math
 import struct
+from collections.abc import Mapping
 from typing import Any
 
-import amqp
 import pytest
-from amqp import spec
-from amqp.method_framing import frame_writer
-from amqp.serialization import dumps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from celery_outbox.broker.amqpframes import publish_frames
-
-
-class _Connection:
-    def __init__(self, frame_max: int) -> None:
-        self.frame_max = frame_max
-        self.bytes_sent = 0
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-
-    def write(self, data: Any) -> None:
-        self.written.append(bytes(data))
-
-
-def py_amqp_frames(
-    channel_id: int,
-    frame_max: int,
-    exchange: Any,
-    routing_key: Any,
-    mandatory: bool,
-    body: bytes,
-    properties: dict[str, Any],
-) -> bytes:
-    """What py-amqp writes for ``basic_publish(Message(body, **properties), ...)``."""
-    transport = _Transport()
-    write_frame = frame_writer(_Connection(frame_max), transport)
-    arguments = dumps("Bssbb", (0, exchange, routing_key, mandatory, False))
-    write_frame(
-        1, channel_id, spec.Basic.Publish, arguments, amqp.Message(body, **properties)
-    )
-    return b"".join(transport.written)
+from celery_outbox.broker.amqpframes import (
+    SAMPLES,
+    PublishEncoder,
+    library_frames,
+    publish_frames,
+    self_check,
+)
 
 
 def outcome(encode: Any) -> tuple[str, Any]:
@@ -76,8 +50,21 @@ def assert_same(
 ) -> None:
     args = (channel_id, frame_max, exchange, routing_key, mandatory, body, properties)
     ours = outcome(lambda: publish_frames(*args))
-    theirs = outcome(lambda: py_amqp_frames(*args))
+    theirs = outcome(lambda: library_frames(*args))
+    assert ours != ("bytes", None), "left to py-amqp"
     assert ours == theirs
+
+
+def assert_left_to_py_amqp(
+    properties: dict[str, Any],
+    *,
+    exchange: Any = "",
+    routing_key: Any = "celery",
+) -> None:
+    """The relay's encoder leaves the message to py-amqp's ``basic_publish``."""
+    body = b'[[1], {}, {"callbacks": null}]'
+    args = (1, 131072, exchange, routing_key, True, body, properties)
+    assert publish_frames(*args) is None
 
 
 def celery_properties(task_id: str, **headers: Any) -> dict[str, Any]:
@@ -153,11 +140,11 @@ def test_a_value_kept_from_the_last_message_never_stands_for_an_equal_one_of_ano
         datetime.datetime(2026, 1, 2, 3, 4, 5),
         b"raw bytes",
         type("Text", (str,), {})("a str subclass"),
-        object(),  # no AMQP type: refused by both
+        object(),  # no AMQP type: py-amqp refuses it
     ],
 )
 def test_values_outside_json_go_through_py_amqp(value: Any) -> None:
-    assert_same(celery_properties("t-1", unusual=value))
+    assert_left_to_py_amqp(celery_properties("t-1", unusual=value))
 
 
 @pytest.mark.parametrize(
@@ -167,17 +154,26 @@ def test_values_outside_json_go_through_py_amqp(value: Any) -> None:
         {"priority": "high"},
         {"delivery_mode": 1.5},
         {"correlation_id": "c" * 256},  # a short string
-        {"correlation_id": 12},
-        {"correlation_id": b"bytes"},
         {"expiration": "60000", "message_id": "m-1", "timestamp": 1_700_000_000},
         {"type": "", "user_id": "guest", "app_id": "shop", "cluster_id": "c"},
         {"application_headers": None, "priority": None},
-        {"application_headers": [("not", "a table")]},
         {"unknown_property": "py-amqp leaves it out"},
     ],
 )
 def test_properties(properties: dict[str, Any]) -> None:
     assert_same({**celery_properties("t-1"), **properties})
+
+
+@pytest.mark.parametrize(
+    "properties",
+    [
+        {"correlation_id": 12},
+        {"correlation_id": b"bytes"},
+        {"application_headers": [("not", "a table")]},
+    ],
+)
+def test_properties_outside_json_go_through_py_amqp(properties: dict[str, Any]) -> None:
+    assert_left_to_py_amqp({**celery_properties("t-1"), **properties})
 
 
 @pytest.mark.parametrize(
@@ -188,7 +184,6 @@ def test_properties(properties: dict[str, Any]) -> None:
         ("ex", "r" * 255, True),
         ("ex", "r" * 256, True),  # refused by both
         (None, None, True),
-        ("ex", b"bytes key", True),
     ],
 )
 def test_method_arguments(exchange: Any, routing_key: Any, mandatory: bool) -> None:
@@ -208,6 +203,10 @@ def test_bodies_are_split_into_frames_as_py_amqp_splits_them(size: int) -> None:
         frame_max=4096,
         channel_id=7,
     )
+
+
+def test_a_routing_key_of_bytes_is_left_to_py_amqp() -> None:
+    assert_left_to_py_amqp(celery_properties("t-1"), routing_key=b"bytes key")
 
 
 def test_a_message_py_amqp_would_read_differently_is_left_to_py_amqp() -> None:
@@ -260,3 +259,122 @@ def test_struct_is_what_refuses_an_octet_out_of_range() -> None:
     # The error kind a caller sees is py-amqp's own (struct.error), not a new one.
     with pytest.raises(struct.error):
         publish_frames(1, 131072, "", "q", True, b"{}", {"priority": 256})
+
+
+# -- the start-up check ----------------------------------------------------------
+
+WARNED = "does not write what py-amqp"
+
+
+def encode_sample(encoder: PublishEncoder, index: int = 0) -> bytes | None:
+    frame_max, channel_id, exchange, routing_key, mandatory, body, props = SAMPLES[
+        index
+    ]
+    return encoder.frames(
+        channel_id, frame_max, exchange, routing_key, mandatory, body, props
+    )
+
+
+def warnings_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "celery_outbox.broker" and r.levelno == logging.WARNING
+    ]
+
+
+def off_by_one_byte(*args: Any) -> bytes | None:
+    """The relay's encoder with its last byte changed: a check must catch it."""
+    frames = publish_frames(*args)
+    assert frames is not None
+    return frames[:-1] + bytes([frames[-1] ^ 1])
+
+
+def refusing(*args: Any) -> bytes | None:
+    raise ValueError("an encoder that cannot encode")
+
+
+def leaving_all_to_py_amqp(*args: Any) -> bytes | None:
+    return None
+
+
+def test_the_check_passes_with_the_installed_py_amqp(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert self_check() is None
+    encoder = PublishEncoder()
+    assert encoder.check()
+    for index, sample in enumerate(SAMPLES):
+        frame_max, channel_id, exchange, routing_key, mandatory, body, props = sample
+        assert encode_sample(encoder, index) == library_frames(
+            channel_id, frame_max, exchange, routing_key, mandatory, body, props
+        )
+    assert warnings_logged(caplog) == []
+
+
+def test_the_samples_hold_a_celery_message_with_every_kind_of_value() -> None:
+    kinds: set[type] = set()
+
+    def collect(value: Any) -> None:
+        kinds.add(type(value))
+        children = value.values() if isinstance(value, Mapping) else value
+        if isinstance(value, (Mapping, list)):
+            for child in children:
+                collect(child)
+
+    for *_, properties in SAMPLES:
+        collect(properties["application_headers"])
+        assert {"priority", "delivery_mode", "correlation_id"} <= properties.keys()
+    assert {str, int, type(None), list, dict, bool, float} <= kinds
+
+
+@pytest.mark.parametrize("encode", [off_by_one_byte, refusing, leaving_all_to_py_amqp])
+def test_an_encoder_that_fails_the_check_leaves_every_message_to_py_amqp(
+    encode: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    encoder = PublishEncoder(encode)
+    assert self_check(encode) is not None
+    for index in (0, 1, 0, 1):
+        assert encode_sample(encoder, index) is None  # py-amqp's basic_publish
+    assert not encoder.check()
+    [warning] = warnings_logged(caplog)  # once, however many messages
+    assert WARNED in warning
+
+
+def test_when_py_amqp_cannot_encode_the_samples_it_encodes_every_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken_library(*args: Any) -> bytes:
+        raise TypeError("a py-amqp whose frame writer takes other arguments")
+
+    encoder = PublishEncoder(reference=broken_library)
+    assert encode_sample(encoder) is None
+    [warning] = warnings_logged(caplog)
+    assert "TypeError" in warning
+
+
+def test_the_check_runs_once_before_the_first_message() -> None:
+    calls: list[int] = []
+
+    def counted(*args: Any) -> bytes | None:
+        calls.append(1)
+        return publish_frames(*args)
+
+    encoder = PublishEncoder(counted)
+    assert calls == []  # nothing runs at construction
+    assert encoder.check()
+    checked = len(calls)
+    assert checked == 2 * len(SAMPLES)
+    for _ in range(5):
+        assert encode_sample(encoder) is not None
+    assert encoder.check()
+    assert len(calls) == checked + 5
+
+
+def test_without_an_encoder_py_amqp_encodes_everything_unchecked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    encoder = PublishEncoder(None)
+    assert not encoder.check()
+    assert encode_sample(encoder) is None
+    assert warnings_logged(caplog) == []
