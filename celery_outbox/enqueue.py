@@ -37,7 +37,7 @@ from .exceptions import (
     OutboxTransactionError,
     OutboxValueError,
 )
-from .queues import queue_spec
+from .queues import cached_queue_spec
 from .signals import send_created
 from .store import OutboxStore
 
@@ -265,7 +265,7 @@ class CapturingProducer:
         declared = [entity for entity in declare or () if isinstance(entity, Queue)]
         queues = tuple(entity.name for entity in declared)
         try:
-            specs = tuple(queue_spec(entity) for entity in declared)
+            specs = tuple(cached_queue_spec(entity) for entity in declared)
         except ValueError as exc:
             raise OutboxValueError(
                 f"Cannot enqueue task {task_name[:80]!r}: {exc}, so the relay could "

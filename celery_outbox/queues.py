@@ -11,6 +11,7 @@ attributes, and the relay rebuilds the same ``Queue`` from it.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,23 @@ _QUEUE_ATTRIBUTES = (
     "no_declare",
 )
 _EXCHANGE_ATTRIBUTES = ("name", "type", "durable", "auto_delete", "arguments")
+
+
+#: Specs of long-lived queues (the app's ``task_queues``, routes), by object identity:
+#: most calls declare one of the same few Queue objects.
+_SPECS: BoundedCache[int, tuple[weakref.ref[Queue], str]] = bounded_cache(
+    "queues.specs", 256
+)
+
+
+def cached_queue_spec(queue: Queue) -> str:
+    """:func:`queue_spec`, remembered for this very Queue object while it lives."""
+    found = _SPECS.get(id(queue))
+    if found is not None and found[0]() is queue:
+        return found[1]
+    spec = queue_spec(queue)
+    _SPECS.put(id(queue), (weakref.ref(queue), spec))
+    return spec
 
 
 def queue_spec(queue: Queue) -> str:
