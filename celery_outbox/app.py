@@ -23,6 +23,7 @@ from .enqueue import (
     outbox_alias,
 )
 from .exceptions import OutboxConfigurationError
+from .ordering.worker import install as install_ordering_reports
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
 
@@ -36,9 +37,10 @@ class OutboxCelery(Celery):
     publishes the row once the transaction has committed.
     """
 
-    #: Celery's ``DjangoTask`` plus the opt-in inbox (``@app.task(inbox=True)``); a
-    #: no-op for tasks that do not use it. A ``task_cls=`` argument still wins.
-    task_cls = "celery_outbox.inbox.task:InboxTask"
+    #: Celery's ``DjangoTask`` plus the opt-in inbox (``@app.task(inbox=True)``) and
+    #: the ordering defaults (``@app.task(ordering="strict")``); no-ops for tasks
+    #: that do not use them. A ``task_cls=`` argument still wins.
+    task_cls = "celery_outbox.ordering.task:OrderedTask"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -48,6 +50,8 @@ class OutboxCelery(Celery):
         self._outbox_local = threading.local()
         self._outbox_commit_publisher: Any = None
         _instances.add(self)
+        # Strict ordering: workers report when a strict task is done (no-op otherwise).
+        install_ordering_reports()
 
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
         """Send a task by name: through the outbox, or direct when :func:`choose_route` says so."""

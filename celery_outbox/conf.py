@@ -44,6 +44,10 @@ class OutboxSettings:
     direct_from_worker: bool = True
     batch_size: int = 500
     lease_seconds: float = 60.0
+    #: How long a published strict head (``ordering="strict"``) waits for its worker
+    #: to report before it is published again (a worker killed mid-task). Longer
+    #: than the longest task, plus its time in the queue.
+    strict_lease_seconds: float = 300.0
     max_attempts: int = 10
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 600.0
@@ -98,6 +102,7 @@ _FIELDS = {
     "DIRECT_FROM_WORKER": "direct_from_worker",
     "BATCH_SIZE": "batch_size",
     "LEASE_SECONDS": "lease_seconds",
+    "STRICT_LEASE_SECONDS": "strict_lease_seconds",
     "MAX_ATTEMPTS": "max_attempts",
     "RETRY_BASE_SECONDS": "retry_base_seconds",
     "RETRY_MAX_SECONDS": "retry_max_seconds",

@@ -37,6 +37,8 @@ from .exceptions import (
     OutboxTransactionError,
     OutboxValueError,
 )
+from .ordering.options import HEADER as ORDERING_HEADER
+from .ordering.options import OPTION_NAMES, pop_options
 from .queues import cached_queue_spec
 from .signals import send_created
 from .store import OutboxStore
@@ -236,7 +238,9 @@ class CapturingProducer:
             properties.pop(transport_only, None)
         properties.pop("mandatory", None)
         properties.pop("immediate", None)
-        ordering_key = properties.pop("ordering_key", None)
+        ordering_given = {
+            name: properties.pop(name) for name in OPTION_NAMES if name in properties
+        }
         dedup_key = properties.pop("dedup_key", None)
         dedup_window = properties.pop("dedup_window", None)
         headers = dict(headers or {})
@@ -256,6 +260,9 @@ class CapturingProducer:
 
             add_trace_headers(headers)
         task_name = str(headers.get("task", ""))
+        ordering = pop_options(ordering_given, task_name)
+        if ordering.header is not None:
+            headers[ORDERING_HEADER] = ordering.header
         content_type, content_encoding, data = serialize(
             body, serializer or self._default_serializer, task_name
         )
@@ -288,7 +295,7 @@ class CapturingProducer:
             declare_specs=specs,
             queue=queues[0] if queues else (routing_key or ""),
             arguments_preview=preview(headers),
-            ordering_key=None if ordering_key is None else str(ordering_key),
+            ordering_key=ordering.key,
             log_context=capture_log_context(get_settings()),
         )
         if dedup_key is not None or dedup_window is not None:

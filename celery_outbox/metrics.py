@@ -9,6 +9,8 @@ published_total                  counter    messages confirmed by the broker
 failed_total                     counter    refused publishes that will be retried
 dead_lettered_total              counter    messages moved to the dead-letter table
 outages_total                    counter    messages put back because the broker was down
+coalesced_total                  counter    unpublished rows dropped for a newer one (claim)
+blocked_total                    counter    heads of ``block`` keys that failed for good
 breaker_open                     gauge      1 while the relay pauses after outages
 batch_duration_seconds           histogram  claim to settled, per batch
 publish_seconds                  histogram  the broker part of a batch (confirms included)
@@ -30,7 +32,7 @@ from typing import Any, Protocol
 
 from .conf import split_address
 from .outcomes import Outcome
-from .relay.events import BatchSettled, BreakerOpened, RelayEvent
+from .relay.events import BatchSettled, BreakerOpened, Coalesced, RelayEvent
 from .store import OutboxStore, Stats
 
 logger = logging.getLogger("celery_outbox.metrics")
@@ -235,6 +237,9 @@ class RelayMetrics:
         if isinstance(event, BreakerOpened):
             self.sink.gauge("breaker_open", 1)
             return
+        if isinstance(event, Coalesced):
+            self.sink.count("coalesced_total", len(event.rows))
+            return
         if not isinstance(event, BatchSettled):
             # An idle or paused relay still refreshes the backlog gauges.
             self._maybe_sample()
@@ -244,6 +249,8 @@ class RelayMetrics:
         self.sink.count("published_total", published)
         self.sink.count("failed_total", len(event.settlement.retry))
         self.sink.count("dead_lettered_total", len(event.settlement.dead_letter))
+        if event.settlement.block:
+            self.sink.count("blocked_total", len(event.settlement.block))
         self.sink.count("outages_total", outcomes.count(Outcome.OUTAGE))
         if published or outcomes.count(Outcome.FAILED):
             # The broker answered (even with a refusal): the relay's breaker closed.
@@ -251,6 +258,7 @@ class RelayMetrics:
         self.sink.observe("batch_duration_seconds", event.seconds)
         self.sink.observe("publish_seconds", event.publish_seconds)
         published_ids = set(event.settlement.delete)
+        published_ids.update(d.message_id for d in event.settlement.hold)
         for message in event.messages:
             if message.id in published_ids and message.age_seconds is not None:
                 self.sink.observe(

@@ -68,6 +68,10 @@ class OutboxMessage(MessageFields):
     #: NULL for rows claimed by publish-on-commit or by an older version: those
     #: keep the lease-only behaviour. Deliberately not indexed (see the migration).
     holder = models.CharField(max_length=32, null=True, blank=True)
+    #: Ordered keys only (:mod:`celery_outbox.ordering`): ``running`` while a strict
+    #: head waits for its worker, ``blocked`` while a failed head waits for an
+    #: operator. NULL otherwise, so that the enqueue path never writes it.
+    state = models.CharField(max_length=8, null=True, blank=True)
 
     class Meta:
         db_table = "celery_outbox_message"
@@ -75,6 +79,8 @@ class OutboxMessage(MessageFields):
         indexes = [
             models.Index(fields=["available_at", "id"], name="celery_outbox_due_idx"),
             models.Index(fields=["task_id"], name="celery_outbox_task_idx"),
+            #: Finds a key's head (its lowest id) for the claim's head rule.
+            models.Index(fields=["ordering_key", "id"], name="celery_outbox_key_idx"),
         ]
 
 

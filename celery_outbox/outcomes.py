@@ -40,6 +40,10 @@ class Action(enum.Enum):
     RETRY = "retry"
     DEAD_LETTER = "dead_letter"
     RELEASE = "release"
+    #: A strict head was published: it stays, running, until its worker reports.
+    HOLD = "hold"
+    #: A head failed for good under the ``block`` policy: its key waits for an operator.
+    BLOCK = "block"
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class Settlement:
     retry: tuple[Decision, ...] = ()
     dead_letter: tuple[Decision, ...] = ()
     release: tuple[Decision, ...] = ()
+    #: Published strict heads (:mod:`celery_outbox.ordering`).
+    hold: tuple[Decision, ...] = ()
+    block: tuple[Decision, ...] = ()
 
     @classmethod
     def of(cls, decisions: Iterable[Decision]) -> Settlement:
@@ -72,6 +79,8 @@ class Settlement:
             retry=tuple(grouped[Action.RETRY]),
             dead_letter=tuple(grouped[Action.DEAD_LETTER]),
             release=tuple(grouped[Action.RELEASE]),
+            hold=tuple(grouped[Action.HOLD]),
+            block=tuple(grouped[Action.BLOCK]),
         )
 
     @property
@@ -82,4 +91,6 @@ class Settlement:
             + len(self.retry)
             + len(self.dead_letter)
             + len(self.release)
+            + len(self.hold)
+            + len(self.block)
         )

@@ -24,7 +24,7 @@ from django.db import connections, transaction
 from django.dispatch import Signal
 
 from .envelope import Envelope, StoredMessage
-from .relay.events import BatchSettled, RelayEvent
+from .relay.events import BatchSettled, Coalesced, RelayEvent
 
 logger = logging.getLogger("celery_outbox.signals")
 
@@ -32,6 +32,9 @@ message_created = Signal()
 message_published = Signal()
 message_failed = Signal()
 message_dead_lettered = Signal()
+#: A row was deleted at claim time, unpublished: a newer one of its coalescing
+#: group (task name, ordering key) waits. Arguments: task_id, task_name, ordering_key.
+message_coalesced = Signal()
 
 
 def _sender() -> Any:
@@ -90,6 +93,15 @@ def send_created(envelopes: Sequence[Envelope], using: str) -> None:
 
 def send_relay_signals(event: RelayEvent) -> None:
     """Relay listener: one Django signal per settled message, after the settlement committed."""
+    if isinstance(event, Coalesced):
+        for row in event.rows:
+            _send(
+                message_coalesced,
+                task_id=row.task_id,
+                task_name=row.task_name,
+                ordering_key=row.ordering_key,
+            )
+        return
     if not isinstance(event, BatchSettled):
         return
     by_id: dict[int, StoredMessage] = {m.id: m for m in event.messages}
@@ -101,7 +113,11 @@ def send_relay_signals(event: RelayEvent) -> None:
             "queue": message.envelope.queue,
         }
 
-    for message_id in event.settlement.delete:
+    published = (
+        *event.settlement.delete,
+        *(d.message_id for d in event.settlement.hold),
+    )
+    for message_id in published:
         message = by_id[message_id]
         _send(message_published, attempts=message.attempts + 1, **common(message))
     for decision in event.settlement.retry:

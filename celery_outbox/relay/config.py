@@ -34,6 +34,8 @@ class RelayConfig:
     #: How often the relay writes its heartbeat; one silent for three intervals is
     #: taken for dead and its leased rows are claimed again at once.
     heartbeat_interval: float = 1.5
+    #: How long a published strict head waits for its worker (celery_outbox.ordering).
+    strict_lease_seconds: float = 300.0
 
     @classmethod
     def from_settings(cls, settings: OutboxSettings, **overrides: Any) -> RelayConfig:
@@ -53,6 +55,7 @@ class RelayConfig:
             "poll_interval": settings.poll_interval,
             "send_timeout": settings.send_timeout,
             "prefetch": settings.prefetch,
+            "strict_lease_seconds": settings.strict_lease_seconds,
             "policy": policy,
         }
         unknown = set(given) - {f.name for f in dataclasses.fields(cls)}
@@ -74,6 +77,7 @@ class RelayConfig:
             "max attempts": self.policy.max_attempts,
             "isolate after": self.isolate_after,
             "heartbeat interval": self.heartbeat_interval,
+            "strict lease seconds": self.strict_lease_seconds,
         }
         for name, value in numbers.items():
             if value <= 0:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from ..envelope import StoredMessage
 from ..outcomes import PublishResult, Settlement
 from ..store import SettleReport
+from ..store.ordering import CoalescedRow
 
 logger = logging.getLogger("celery_outbox.relay")
 
@@ -64,7 +65,14 @@ class Idle:
     seconds: float
 
 
-RelayEvent = BatchSettled | LoopError | BreakerOpened | Idle
+@dataclass(frozen=True)
+class Coalesced:
+    """A claim deleted unpublished rows that a newer row of their group replaces."""
+
+    rows: tuple[CoalescedRow, ...]
+
+
+RelayEvent = BatchSettled | LoopError | BreakerOpened | Idle | Coalesced
 Listener = Callable[[RelayEvent], None]
 
 
@@ -96,7 +104,7 @@ def log_event(event: RelayEvent) -> None:
             "batch: %d claimed, %d published, %d retried, %d dead-lettered, %d released "
             "in %.1f ms",
             event.claimed,
-            report.deleted,
+            report.deleted + report.held,
             report.retried,
             report.dead_lettered,
             report.released,
@@ -106,6 +114,8 @@ def log_event(event: RelayEvent) -> None:
         logger.error("relay %s failed: %s", event.stage, event.error)
     elif isinstance(event, BreakerOpened):
         logger.warning("broker unreachable: pausing for %.1f s", event.seconds)
+    elif isinstance(event, Coalesced):
+        logger.info("coalesced: %d older rows dropped for newer ones", len(event.rows))
 
 
 def emit(listeners: Sequence[Listener], event: RelayEvent) -> None:

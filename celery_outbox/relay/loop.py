@@ -20,6 +20,7 @@ from typing import Protocol
 from ..broker import Publisher, describe
 from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
+from ..ordering.core import ordered_settlement
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from ..store import Claim, OutboxStore, SettleReport
 from .config import RelayConfig
@@ -28,6 +29,7 @@ from .events import (
     BatchHook,
     BatchSettled,
     BreakerOpened,
+    Coalesced,
     Idle,
     Listener,
     LoopError,
@@ -208,6 +210,8 @@ class Relay:
         leased_at = started if leased_at is None else leased_at
         if claim.unreadable:
             self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
+        if claim.coalesced:
+            emit(self.listeners, Coalesced(claim.coalesced))
         if not claim.messages:
             return 0
         if not self.batch_hooks:
@@ -228,7 +232,11 @@ class Relay:
         results = self._publish(claim.messages, budget)
         publish_seconds = self.clock() - publish_started
         attempts = {m.id: m.attempts for m in claim.messages}
-        settlement = settle(results, attempts, self.config.policy, self.random)
+        settlement = ordered_settlement(
+            settle(results, attempts, self.config.policy, self.random),
+            claim.messages,
+            self.config.strict_lease_seconds,
+        )
         self._note_breaker(results)
         self.suspects = self.suspects.after_batch(results)
         report = self._settle(claim.token, settlement)

@@ -134,7 +134,19 @@ class Dialect:
         return ", ".join(CLAIM_COLUMNS) + f", {self.age_seconds('created_at')}"
 
     def _due_where(self, task_ids: Sequence[str]) -> str:
-        where = f"available_at <= {self.now()}"
+        """Due rows of the table aliased ``d``: unkeyed, or the head of their key.
+
+        A keyed row waits while a row of its key with a lower id exists (leased,
+        retrying, running or blocked): one row per key is in flight at a time. An
+        unkeyed row stops at ``IS NULL``; the index on (ordering_key, id) serves
+        the rest. MySQL reads the subquery from the statement's snapshot (it locks
+        nothing there), so a head another claim holds still counts.
+        """
+        where = (
+            f"available_at <= {self.now()} AND (d.ordering_key IS NULL OR NOT EXISTS "
+            f"(SELECT 1 FROM {MESSAGE_TABLE} o WHERE o.ordering_key = d.ordering_key "
+            f"AND o.id < d.id))"
+        )
         if task_ids:
             where += f" AND task_id IN ({placeholders(task_ids)})"
         return where
@@ -145,7 +157,7 @@ class Dialect:
 
     def _due_ids_sql(self, task_ids: Sequence[str] = ()) -> str:
         return (
-            f"SELECT id FROM {MESSAGE_TABLE} WHERE {self._due_where(task_ids)} "
+            f"SELECT id FROM {MESSAGE_TABLE} d WHERE {self._due_where(task_ids)} "
             f"ORDER BY available_at, id LIMIT %s"
         )
 
@@ -216,7 +228,7 @@ class MySQLDialect(Dialect):
         # until the UPDATE below has stamped the lease.
         columns = self.claim_columns()
         cursor.execute(
-            f"SELECT {columns} FROM {MESSAGE_TABLE} WHERE {self._due_where(task_ids)} "
+            f"SELECT {columns} FROM {MESSAGE_TABLE} d WHERE {self._due_where(task_ids)} "
             f"ORDER BY available_at, id LIMIT %s FOR UPDATE SKIP LOCKED",
             [*task_ids, limit],
         )

@@ -47,6 +47,7 @@ from .dialects import (
 from .held import HELD_ROWS, HeldRows
 from .notify import HINTS, remember_hint
 from .operator import OperatorQueries
+from .ordering import OrderingQueries
 from .relays import RelayRegistry
 from .types import (
     Claim,
@@ -56,7 +57,7 @@ from .types import (
 logger = logging.getLogger("celery_outbox.store")
 
 
-class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries):
+class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries, OrderingQueries):
     """The one door to the outbox tables on one database alias."""
 
     # -- enqueue ---------------------------------------------------------------
@@ -140,6 +141,10 @@ class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries):
             rows = self.dialect.claim(
                 cursor, limit, lease_seconds, token, task_ids, self.holder
             )
+            # Keyed rows: a run after each head, then coalescing (celery_outbox.ordering).
+            rows, coalesced = self.extend_claim(
+                cursor, list(rows), limit, lease_seconds, token
+            )
         messages: list[StoredMessage] = []
         unreadable: list[Decision] = []
         for row in sorted(rows, key=lambda r: int(r[0])):
@@ -159,7 +164,7 @@ class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries):
                 )
                 logger.error("%s", error)
                 unreadable.append(Decision(int(row[0]), Action.DEAD_LETTER, 0.0, error))
-        return Claim(token, tuple(messages), tuple(unreadable))
+        return Claim(token, tuple(messages), tuple(unreadable), coalesced)
 
     def settle(self, token: str, settlement: Settlement) -> SettleReport:
         """Apply a batch's decisions in one transaction, each write fenced by the lease token."""
@@ -179,12 +184,16 @@ class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries):
                 cursor, dialect, token, settlement.release, count=False
             )
             dead = self._dead_letter(cursor, dialect, token, settlement.dead_letter)
-        report = SettleReport(deleted, retried, dead, released)
-        if (deleted, retried, dead, released) != (
+            held = self._hold_running(cursor, dialect, token, settlement.hold)
+            blocked = self._block_heads(cursor, dialect, token, settlement.block)
+        report = SettleReport(deleted, retried, dead, released, held, blocked)
+        # A held head may be gone already: its worker can finish before this commit.
+        if (deleted, retried, dead, released, blocked) != (
             len(settlement.delete),
             len(settlement.retry),
             len(settlement.dead_letter),
             len(settlement.release),
+            len(settlement.block),
         ):
             logger.warning(
                 "Lease %s was lost for some rows (another relay may have claimed them): "

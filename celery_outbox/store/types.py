@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..envelope import (
     StoredMessage,
 )
 from ..outcomes import Decision
+
+if TYPE_CHECKING:
+    from .ordering import CoalescedRow
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class Claim:
     messages: tuple[StoredMessage, ...]
     #: Rows this relay cannot read (a newer payload version), handed back as dead letters.
     unreadable: tuple[Decision, ...] = ()
+    #: Rows deleted at claim time because a newer row of their coalescing group waits.
+    coalesced: tuple[CoalescedRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class SettleReport:
     retried: int = 0
     dead_lettered: int = 0
     released: int = 0
+    #: Strict heads left running, and failed heads blocked (celery_outbox.ordering).
+    held: int = 0
+    blocked: int = 0
 
 
 @dataclass(frozen=True)

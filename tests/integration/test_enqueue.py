@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import uuid
 from decimal import Decimal
@@ -377,3 +378,27 @@ def test_an_app_dropped_but_not_yet_collected_does_not_make_the_choice_ambiguous
         assert resolve_app(get_settings()) is only
     finally:
         gc.enable()
+
+
+def test_ordering_options_reach_the_row_and_the_headers_task_defaults_included() -> (
+    None
+):
+    from celery_outbox.ordering.options import HEADER
+    from tests.project.shop.tasks import ordered
+
+    with transaction.atomic():
+        record.apply_async(("a",), ordering="strict", ordering_key="org:1")
+        record.s("b").set(coalesce_key="obj:9").apply_async()
+        ordered.ordering = "strict"
+        try:
+            ordered.apply_async(("c",), ordering_key="org:2")
+            ordered.apply_async(("d",))  # no key: the task's default does not apply
+        finally:
+            ordered.ordering = None
+    found = [(r.ordering_key, json.loads(r.headers).get(HEADER)) for r in rows()]
+    assert found == [
+        ("org:1", "strict"),
+        ("obj:9", "coalesce"),
+        ("org:2", "strict"),
+        (None, None),
+    ]

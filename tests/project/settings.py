@@ -133,6 +133,11 @@ SILENCED_SYSTEM_CHECKS = ["celery_outbox.W001"]
 
 CELERY_OUTBOX_POLL_INTERVAL = 0.2
 CELERY_OUTBOX_LEASE_SECONDS = 30.0
+#: A strict head killed with its worker goes out again after this (the e2e tests'
+#: kill -9 waits it out).
+CELERY_OUTBOX_STRICT_LEASE_SECONDS = float(
+    os.environ.get("OUTBOX_TEST_STRICT_LEASE", "300")
+)
 CELERY_OUTBOX_OUTSIDE_TRANSACTION = "warn"
 
 LOGGING = {

@@ -145,3 +145,20 @@ def inbox_flaky(self: Any, tag: str) -> str:
     if self.request.retries < 2:
         raise Flaky(f"run {self.request.retries}")
     return tag
+
+
+@shared_task(bind=True, name="shop.ordered")
+def ordered(self: Any, tag: str, seconds: float = 0.0, mode: str = "") -> str:
+    """Sleep ``seconds``, then record ``tag``; ``mode`` ``hang`` (first run) or ``fail``.
+
+    ``hang`` records the worker's pid under ``started:<tag>`` and sleeps long enough to
+    be killed; a run after that does not hang again.
+    """
+    if mode == "hang" and not TaskRun.objects.filter(tag=f"started:{tag}").exists():
+        _record(self, f"started:{tag}", os.getpid())
+        time.sleep(60)
+    if mode == "fail":
+        raise ValueError(f"{tag} fails")
+    time.sleep(seconds)
+    _record(self, tag)
+    return tag

@@ -1,0 +1,458 @@
+"""The SQL of ordered keys (:mod:`celery_outbox.ordering`), part of :class:`~.store.OutboxStore`.
+
+The claim's head rule itself is in :meth:`.dialects.Dialect._due_where`; here are
+what a claim does next in the same transaction (take a run of a key's rows, drop
+coalesced rows), the settlement of held and blocked heads, the worker's reports,
+the operator's actions on a blocked head, and the statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+
+from ..envelope import load_json
+from ..ordering.core import Follower, run_length, superseded
+from ..ordering.options import HEADER, UNORDERED, Ordering, Policy
+from ..outcomes import Decision
+from .base import StoreBase
+from .dialects import (
+    CLAIM_COLUMNS,
+    DEAD_TABLE,
+    MESSAGE_COLUMNS,
+    MESSAGE_TABLE,
+    Dialect,
+    placeholders,
+)
+from .notify import CHANNEL
+
+logger = logging.getLogger("celery_outbox.store")
+
+RUNNING = "running"
+BLOCKED = "blocked"
+#: A blocked head is due again in a century: out of every claim, until an operator acts.
+BLOCKED_SECONDS = 100 * 365 * 86400.0
+#: Keys whose run a claim extends at most (one statement each).
+RUN_KEYS = 16
+
+_ID = CLAIM_COLUMNS.index("id")
+_KEY = CLAIM_COLUMNS.index("ordering_key")
+_TASK_ID = CLAIM_COLUMNS.index("task_id")
+_TASK = CLAIM_COLUMNS.index("task_name")
+_HEADERS = CLAIM_COLUMNS.index("headers")
+
+
+@dataclass(frozen=True)
+class CoalescedRow:
+    """An unpublished row deleted at claim time because a newer one of its group waits."""
+
+    task_id: str
+    task_name: str
+    ordering_key: str
+
+
+@dataclass(frozen=True)
+class KeyDepth:
+    """One ordering key and how many rows wait in it."""
+
+    key: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class BlockedHead:
+    """The head of a blocked key, with the error that blocked it."""
+
+    key: str
+    id: int
+    task_id: str
+    task_name: str
+    last_error: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class OrderingStats:
+    """Keyed rows at a glance: keys waiting, blocked, running, the deepest keys."""
+
+    keys: int
+    keyed_rows: int
+    running: int
+    blocked: tuple[BlockedHead, ...]
+    deepest: tuple[KeyDepth, ...]
+    oldest_head_seconds: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON shape of ``outbox_ordering stats``."""
+        return {
+            "keys": self.keys,
+            "keyed_rows": self.keyed_rows,
+            "running": self.running,
+            "blocked": [vars(b) for b in self.blocked],
+            "deepest": [vars(d) for d in self.deepest],
+            "oldest_head_seconds": self.oldest_head_seconds,
+        }
+
+
+def row_ordering(row: Sequence[Any]) -> Ordering:
+    """The ordering of a raw claimed row, decoding its headers only when they carry it."""
+    key = row[_KEY]
+    if key is None:
+        return UNORDERED
+    text = row[_HEADERS]
+    if HEADER not in text:
+        return Ordering(key)
+    try:
+        headers = load_json(text)
+    except ValueError:
+        return Ordering(key)  # the claim dead-letters the unreadable row
+    return Ordering.read(key, headers if isinstance(headers, dict) else {})
+
+
+class OrderingQueries(StoreBase):
+    """Ordered keys' SQL (part of :class:`~.store.OutboxStore`)."""
+
+    # -- claim (inside the claim's transaction) ------------------------------------
+
+    def extend_claim(
+        self,
+        cursor: Any,
+        rows: list[Sequence[Any]],
+        limit: int,
+        lease_seconds: float,
+        token: str,
+    ) -> tuple[list[Sequence[Any]], tuple[CoalescedRow, ...]]:
+        """Runs taken after claimed heads, then coalescing; the rows and what it dropped."""
+        if not any(row[_KEY] is not None for row in rows):
+            return rows, ()
+        orderings = {int(row[_ID]): row_ordering(row) for row in rows}
+        rows = rows + self._runs(cursor, rows, orderings, limit, lease_seconds, token)
+        for row in rows[len(orderings) :]:
+            orderings[int(row[_ID])] = row_ordering(row)
+        return self._coalesce(cursor, rows, orderings, token)
+
+    def _runs(
+        self,
+        cursor: Any,
+        rows: Sequence[Sequence[Any]],
+        orderings: dict[int, Ordering],
+        limit: int,
+        lease_seconds: float,
+        token: str,
+    ) -> list[Sequence[Any]]:
+        """Rows after each claimed head of a non-strict key, while the batch has room.
+
+        Holding the head (leased in this transaction) keeps every other claim off
+        the key, so its next rows can go in the same batch, in id order.
+        """
+        room = limit - len(rows)
+        heads = [
+            (int(row[_ID]), row[_KEY])
+            for row in rows
+            if row[_KEY] is not None and not orderings[int(row[_ID])].strict
+        ]
+        dialect = self.dialect
+        lock = self._for_update()
+        taken: list[Sequence[Any]] = []
+        for head_id, key in heads[:RUN_KEYS]:
+            if room <= 0:
+                break
+            cursor.execute(
+                f"SELECT {dialect.claim_columns()}, CASE WHEN available_at <= "
+                f"{dialect.now()} AND state IS NULL THEN 1 ELSE 0 END "
+                f"FROM {MESSAGE_TABLE} WHERE ordering_key = %s AND id > %s "
+                f"ORDER BY id LIMIT %s{lock}",
+                [key, head_id, room],
+            )
+            found = list(cursor.fetchall())
+            count = run_length(
+                (Follower(bool(int(r[-1])), row_ordering(r).strict) for r in found),
+                room,
+            )
+            taken.extend(r[:-1] for r in found[:count])
+            room -= count
+        if taken:
+            after_sql, after_params = dialect.after(lease_seconds)
+            ids = [int(r[_ID]) for r in taken]
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, holder = %s, "
+                f"available_at = {after_sql} WHERE id IN ({placeholders(ids)})",
+                [token, self.holder, *after_params, *ids],
+            )
+        return taken
+
+    def _coalesce(
+        self,
+        cursor: Any,
+        rows: list[Sequence[Any]],
+        orderings: dict[int, Ordering],
+        token: str,
+    ) -> tuple[list[Sequence[Any]], tuple[CoalescedRow, ...]]:
+        """Delete the coalescing rows a newer row of their (key, task name) replaces."""
+        claimed = [
+            (int(r[_ID]), str(r[_KEY]), str(r[_TASK]))
+            for r in rows
+            if orderings[int(r[_ID])].coalesce
+        ]
+        if not claimed:
+            return rows, ()
+        keys = sorted({key for _, key, _ in claimed})
+        cursor.execute(
+            f"SELECT ordering_key, task_name, MAX(id) FROM {MESSAGE_TABLE} "
+            f"WHERE ordering_key IN ({placeholders(keys)}) "
+            f"GROUP BY ordering_key, task_name",
+            keys,
+        )
+        newest = {(k, t): int(top) for k, t, top in cursor.fetchall()}
+        replaced = superseded(claimed, newest)
+        if not replaced:
+            return rows, ()
+        dropped: list[CoalescedRow] = []
+        deleted: set[int] = set()
+        groups = {(key, task) for row_id, key, task in claimed if row_id in replaced}
+        for key, task in sorted(groups):
+            cursor.execute(
+                f"SELECT id, task_id FROM {MESSAGE_TABLE} WHERE ordering_key = %s "
+                f"AND task_name = %s AND id < %s AND state IS NULL AND (lease_token "
+                f"IS NULL OR lease_token = %s OR available_at <= {self.dialect.now()})",
+                [key, task, newest[(key, task)], token],
+            )
+            found = [(int(i), str(t)) for i, t in cursor.fetchall()]
+            if not found:
+                continue
+            ids = [i for i, _ in found]
+            cursor.execute(
+                f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})", ids
+            )
+            deleted.update(ids)
+            dropped.extend(CoalescedRow(t, task, key) for _, t in found)
+        kept = [r for r in rows if int(r[_ID]) not in deleted]
+        return kept, tuple(dropped)
+
+    # -- settlement (inside the settlement's transaction) ---------------------------
+
+    def _hold_running(
+        self, cursor: Any, dialect: Dialect, token: str, decisions: Sequence[Decision]
+    ) -> int:
+        """Published strict heads stay, running, for their decision's delay."""
+        if not decisions:
+            return 0
+        ids = [d.message_id for d in decisions]
+        # One running lease for the batch: every decision carries the same delay.
+        after_sql, after_params = dialect.after(max(d.delay for d in decisions))
+        cursor.execute(
+            f"UPDATE {MESSAGE_TABLE} SET state = '{RUNNING}', available_at = "
+            f"{after_sql}, holder = NULL WHERE lease_token = %s "
+            f"AND id IN ({placeholders(ids)})",
+            [*after_params, token, *ids],
+        )
+        return int(cursor.rowcount)
+
+    def _block_heads(
+        self, cursor: Any, dialect: Dialect, token: str, decisions: Sequence[Decision]
+    ) -> int:
+        """Failed heads of ``block`` keys: out of every claim, with their error."""
+        changed = 0
+        for decision in decisions:
+            after_sql, after_params = dialect.after(BLOCKED_SECONDS)
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET state = '{BLOCKED}', attempts = attempts "
+                f"+ 1, last_error = %s, available_at = {after_sql}, lease_token = NULL, "
+                f"holder = NULL WHERE lease_token = %s AND id = %s",
+                [decision.error[:4000], *after_params, token, decision.message_id],
+            )
+            changed += int(cursor.rowcount)
+        return changed
+
+    # -- the worker's reports for strict tasks ---------------------------------------
+
+    def task_started(self, task_id: str, running_seconds: float) -> int:
+        """A strict task began: its running lease starts again from now."""
+        after_sql, after_params = self.dialect.after(running_seconds)
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET available_at = {after_sql} WHERE "
+                f"task_id = %s AND ordering_key IS NOT NULL AND (state IS NULL OR "
+                f"state = '{RUNNING}')",
+                [*after_params, task_id],
+            )
+            return int(cursor.rowcount)
+
+    def task_done(self, task_id: str) -> int:
+        """A strict task finished: its row goes and the relay is woken for the next."""
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            # state NULL too: the worker may finish before the relay has settled.
+            cursor.execute(
+                f"DELETE FROM {MESSAGE_TABLE} WHERE task_id = %s AND ordering_key IS "
+                f"NOT NULL AND (state IS NULL OR state = '{RUNNING}')",
+                [task_id],
+            )
+            done = int(cursor.rowcount)
+            self._wake(cursor, done)
+        return done
+
+    def task_failed(self, task_id: str, error: str, policy: Policy) -> int:
+        """A strict task failed for good: block its key, or dead-letter it and go on."""
+        dialect = self.dialect
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            cursor.execute(
+                f"SELECT id FROM {MESSAGE_TABLE} WHERE task_id = %s AND ordering_key "
+                f"IS NOT NULL AND (state IS NULL OR state = '{RUNNING}')"
+                f"{self._for_update()}",
+                [task_id],
+            )
+            ids = [int(row[0]) for row in cursor.fetchall()]
+            if not ids:
+                return 0
+            if policy is Policy.SKIP:
+                self._move_to_dead(cursor, dialect, ids, error)
+                self._wake(cursor, len(ids))
+                return len(ids)
+            after_sql, after_params = dialect.after(BLOCKED_SECONDS)
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET state = '{BLOCKED}', attempts = attempts "
+                f"+ 1, last_error = %s, available_at = {after_sql}, lease_token = NULL, "
+                f"holder = NULL WHERE id IN ({placeholders(ids)})",
+                [error[:4000], *after_params, *ids],
+            )
+            return int(cursor.rowcount)
+
+    def task_retrying(self, task_id: str, seconds: float) -> int:
+        """A strict task will run again (``retry``): its key stays held that long."""
+        return self.task_started(task_id, seconds)
+
+    # -- operators -----------------------------------------------------------------
+
+    def blocked_heads(self) -> tuple[BlockedHead, ...]:
+        """Every blocked key's head, oldest first, with how many rows its key holds."""
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT h.ordering_key, h.id, h.task_id, h.task_name, h.last_error, "
+                f"(SELECT COUNT(*) FROM {MESSAGE_TABLE} o WHERE o.ordering_key = "
+                f"h.ordering_key) FROM {MESSAGE_TABLE} h WHERE h.state = '{BLOCKED}' "
+                f"ORDER BY h.id",
+                [],
+            )
+            return tuple(
+                BlockedHead(str(k), int(i), str(t), str(n), str(e), int(c))
+                for k, i, t, n, e, c in cursor.fetchall()
+            )
+
+    def retry_head(self, key: str) -> int:
+        """Make a blocked key's head due now, with fresh attempts."""
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET state = NULL, attempts = 0, available_at "
+                f"= {self.dialect.now()} WHERE ordering_key = %s AND state = "
+                f"'{BLOCKED}'",
+                [key],
+            )
+            return int(cursor.rowcount)
+
+    def skip_head(self, key: str, *, dead_letter: bool = True) -> int:
+        """Take a blocked key's head out (to the dead letters, or deleted): the key goes on."""
+        dialect = self.dialect
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            cursor.execute(
+                f"SELECT id, last_error FROM {MESSAGE_TABLE} WHERE ordering_key = %s "
+                f"AND state = '{BLOCKED}'{self._for_update()}",
+                [key],
+            )
+            found = cursor.fetchall()
+            if not found:
+                return 0
+            ids = [int(row[0]) for row in found]
+            if dead_letter:
+                self._move_to_dead(cursor, dialect, ids, str(found[0][1]), bump=False)
+            else:
+                cursor.execute(
+                    f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})",
+                    ids,
+                )
+            self._wake(cursor, len(ids))
+            return len(ids)
+
+    def ordering_stats(self, top: int = 10) -> OrderingStats:
+        """Keys waiting, rows in them, running and blocked heads, the deepest keys."""
+        dialect = self.dialect
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT COUNT(DISTINCT ordering_key), COUNT(*), "
+                f"SUM(CASE WHEN state = '{RUNNING}' THEN 1 ELSE 0 END) "
+                f"FROM {MESSAGE_TABLE} WHERE ordering_key IS NOT NULL",
+                [],
+            )
+            keys, rows, running = cursor.fetchone()
+            cursor.execute(
+                f"SELECT ordering_key, COUNT(*) FROM {MESSAGE_TABLE} WHERE ordering_key "
+                f"IS NOT NULL GROUP BY ordering_key ORDER BY COUNT(*) DESC, "
+                f"ordering_key LIMIT %s",
+                [top],
+            )
+            deepest = tuple(KeyDepth(str(k), int(c)) for k, c in cursor.fetchall())
+            # The oldest head is the oldest keyed row: a key's head is its oldest row.
+            cursor.execute(
+                f"SELECT MAX({dialect.age_seconds('created_at')}) FROM {MESSAGE_TABLE} "
+                f"WHERE ordering_key IS NOT NULL",
+                [],
+            )
+            (oldest,) = cursor.fetchone()
+        return OrderingStats(
+            keys=int(keys or 0),
+            keyed_rows=int(rows or 0),
+            running=int(running or 0),
+            blocked=self.blocked_heads(),
+            deepest=deepest,
+            oldest_head_seconds=None if oldest is None else max(0.0, float(oldest)),
+        )
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _move_to_dead(
+        self,
+        cursor: Any,
+        dialect: Dialect,
+        ids: Sequence[int],
+        error: str,
+        *,
+        bump: bool = True,
+    ) -> None:
+        columns = ", ".join(MESSAGE_COLUMNS)
+        attempts = "attempts + 1" if bump else "attempts"
+        cursor.execute(
+            f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, last_error, "
+            f"created_at, dead_at) SELECT id, {columns}, {attempts}, %s, created_at, "
+            f"{dialect.now()} FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)}) "
+            f"ORDER BY id",
+            [error[:4000], *ids],
+        )
+        cursor.execute(
+            f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})", list(ids)
+        )
+
+    def _wake(self, cursor: Any, changed: int) -> None:
+        """On PostgreSQL, wake listening relays at commit: a key's next row is due."""
+        if changed and self.dialect.notifies:
+            cursor.execute(f"SELECT pg_notify('{CHANNEL}', '')", [])
+
+    def _for_update(self) -> str:
+        connection = self.connection
+        if not connection.features.has_select_for_update:
+            return ""
+        return " " + str(connection.ops.for_update_sql())

@@ -1,0 +1,122 @@
+"""The ordering decisions and options, as pure values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celery_outbox.envelope import StoredMessage
+from celery_outbox.exceptions import OutboxValueError
+from celery_outbox.ordering.core import (
+    Follower,
+    Report,
+    ordered_settlement,
+    report_for,
+    run_length,
+    superseded,
+)
+from celery_outbox.ordering.options import HEADER, Ordering, Policy, pop_options
+from celery_outbox.outcomes import Action, Decision, Settlement
+from tests.integration.builders import envelope
+
+
+def message(row_id: int, key: str | None, flags: str = "") -> StoredMessage:
+    headers: dict[str, Any] = {"id": f"t{row_id}"}
+    if flags:
+        headers[HEADER] = flags
+    return StoredMessage(row_id, 0, envelope(ordering_key=key, headers=headers))
+
+
+def test_unkeyed_rows_settle_exactly_as_before() -> None:
+    settlement = Settlement(
+        delete=(1,), dead_letter=(Decision(2, Action.DEAD_LETTER, 0, "x"),)
+    )
+    assert ordered_settlement(settlement, [message(1, None), message(2, None)], 9) is (
+        settlement
+    )
+
+
+def test_a_published_strict_head_is_held_and_a_failed_block_head_blocked() -> None:
+    messages = [message(1, "A", "strict"), message(2, "B"), message(3, "C", "skip")]
+    settlement = Settlement(
+        delete=(1,),
+        dead_letter=(
+            Decision(2, Action.DEAD_LETTER, 0, "refused"),
+            Decision(3, Action.DEAD_LETTER, 0, "refused"),
+        ),
+    )
+    result = ordered_settlement(settlement, messages, 120.0)
+    assert result.delete == ()
+    assert result.hold == (Decision(1, Action.HOLD, 120.0),)
+    assert result.block == (Decision(2, Action.BLOCK, 0.0, "refused"),)
+    assert [d.message_id for d in result.dead_letter] == [3]  # skip: as before
+
+
+def test_a_run_stops_at_a_row_not_ready_and_after_a_strict_row() -> None:
+    ready, strict, waiting = (
+        Follower(True, False),
+        Follower(True, True),
+        Follower(False, False),
+    )
+    assert run_length([ready, ready, waiting, ready], 10) == 2
+    assert run_length([ready, strict, ready], 10) == 2
+    assert run_length([ready, ready, ready], 2) == 2
+
+
+def test_only_rows_with_a_newer_row_of_their_group_are_superseded() -> None:
+    claimed = [(1, "k", "t"), (5, "k", "t"), (2, "k", "u")]
+    assert superseded(claimed, {("k", "t"): 5, ("k", "u"): 2}) == frozenset({1})
+
+
+@pytest.mark.parametrize(
+    ("state", "report"),
+    [
+        ("SUCCESS", Report.DONE),
+        ("IGNORED", Report.DONE),
+        ("FAILURE", Report.FAILED),
+        ("RETRY", Report.RETRYING),
+        ("REJECTED", Report.NOTHING),
+    ],
+)
+def test_a_workers_report_follows_the_tasks_state(state: str, report: Report) -> None:
+    assert report_for(state) is report
+
+
+def test_options_become_a_key_and_a_header_that_reads_back() -> None:
+    options = {
+        "ordering_key": 42,
+        "ordering": "strict",
+        "ordering_policy": "skip",
+        "x": 1,
+    }
+    ordering = pop_options(options, "t")
+    assert options == {"x": 1}
+    assert ordering == Ordering("42", strict=True, policy=Policy.SKIP)
+    assert ordering.header == "strict,skip"
+    assert Ordering.read("42", {HEADER: ordering.header}) == ordering
+    assert pop_options({"ordering_key": "k"}, "t").header is None
+    assert pop_options({}, "t") == Ordering()
+
+
+def test_a_coalesce_key_is_the_ordering_key() -> None:
+    assert pop_options({"coalesce_key": "obj:1"}, "t") == Ordering(
+        "obj:1", coalesce=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ordering": "strict"}, "need an ordering_key"),
+        ({"ordering_key": "k", "ordering": "fifo"}, "'publish' or 'strict'"),
+        ({"ordering_key": "k", "ordering_policy": "drop"}, "'block' or 'skip'"),
+        ({"ordering_key": "k", "coalesce_key": "j"}, "differs from ordering_key"),
+        ({"ordering_key": "k", "coalesce": "yes"}, "True or False"),
+    ],
+)
+def test_a_mistaken_option_is_refused_by_name(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(OutboxValueError, match=message):
+        pop_options(options, "t")
