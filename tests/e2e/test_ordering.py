@@ -1,7 +1,8 @@
 """Ordered keys end to end: real relays, real prefork workers, RabbitMQ, PostgreSQL.
 
-Scale: ``OUTBOX_ORDERING_E2E_KEYS`` x ``OUTBOX_ORDERING_E2E_TASKS`` (default 200 x 20,
-as the issue asks; lower them on a slow machine).
+Scale: ``OUTBOX_ORDERING_E2E_KEYS`` x ``OUTBOX_ORDERING_E2E_TASKS``. The default,
+100 x 10, keeps ``make test`` within its time; the figures in docs/ordering.md were
+measured at 200 x 20 (``OUTBOX_ORDERING_E2E_KEYS=200 OUTBOX_ORDERING_E2E_TASKS=20``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from tests.e2e.conftest import BROKER_AMQP, Stack, wait_until
 from tests.project.shop.models import TaskRun
 from tests.project.shop.tasks import ordered
 
-KEYS = int(os.environ.get("OUTBOX_ORDERING_E2E_KEYS", "200"))
-TASKS = int(os.environ.get("OUTBOX_ORDERING_E2E_TASKS", "20"))
+KEYS = int(os.environ.get("OUTBOX_ORDERING_E2E_KEYS", "100"))
+TASKS = int(os.environ.get("OUTBOX_ORDERING_E2E_TASKS", "10"))
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
