@@ -255,7 +255,7 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
         "attempts",
         "created_at",
         "available_at",
-        "state",
+        "current_state",
         "short_error",
     )
     list_filter = (StateFilter, "queue", "task_name")
@@ -263,7 +263,7 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
     ordering = ("id",)
     fields = (
         *_MESSAGE_FIELDS,
-        "state",
+        "current_state",
         "available_at",
         "lease_token",
         "content_type",
@@ -274,9 +274,13 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
     readonly_fields = fields
     actions = ("retry_now", "move_to_dead_letters")
 
+    # Not "state": the model has an ordering column of that name, which Django's
+    # list_display would show instead of this method.
     @admin.display(description="state")
-    def state(self, obj: OutboxMessage) -> str:
-        """due, in_flight, retrying or deferred (see :func:`message_state`)."""
+    def current_state(self, obj: OutboxMessage) -> str:
+        """due, in_flight, retrying, deferred, or an ordered key's running / blocked."""
+        if obj.state in ("running", "blocked"):
+            return str(obj.state)  # a strict head a worker runs; a head that blocks its key
         return message_state(
             obj.lease_token, obj.available_at, obj.attempts, timezone.now()
         )
