@@ -1,14 +1,15 @@
-# One entry per job. `make test` builds its own virtual environment first.
+# One entry per job. `make test` builds its own virtual environment first; lint runs
+# in it, and nox (noxfile.py) builds one more per session of the support matrix.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services tools clean
+.PHONY: demo test lint bench services tools clean matrix-1 matrix-2
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,lint]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,lint,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,11 +26,20 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The support matrix (noxfile.py): the whole suite on the newest versions, alone, then
+# the contract tests of every other pair in two parallel streams; every session runs
+# even when an earlier one failed, and any failure fails the target.
 test: $(STAMP) services tools lint
-	$(BIN)/python -m pytest
+	status=0; \
+	$(BIN)/nox -t newest || status=1; \
+	$(MAKE) --no-print-directory -k -j2 --output-sync matrix-1 matrix-2 || status=1; \
+	exit $$status
+
+matrix-%: $(STAMP)
+	$(BIN)/nox -t stream-$*
 
 bench: $(STAMP) services
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache demo/var
+	rm -rf $(VENV) .nox .mypy_cache .ruff_cache .pytest_cache demo/var

@@ -269,6 +269,11 @@ def e2e(
             OUTBOX_TEST_BROKER=broker,
             PYTHONUNBUFFERED="1",
         )
+        # Django 6.1 runs a command's model checks on every database, and MySQL's
+        # connect to theirs: the subprocesses' MySQL alias names this run's test one.
+        for connection in connections.all():
+            if connection.vendor == "mysql":
+                env["OUTBOX_MYSQL_NAME"] = str(connection.settings_dict["NAME"])
         logs = tmp_path / f"stack{len(stacks)}"
         logs.mkdir()
         stack = Stack(vendor, alias, broker, env, logs)

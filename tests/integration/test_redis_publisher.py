@@ -9,6 +9,7 @@ documents, except the delivery tag, which is fresh for every publish.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import re
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 from kombu import Connection, Exchange, Queue
+from packaging.version import Version
 
 from celery_outbox.broker import FixedBudget
 from celery_outbox.broker.kombu import KombuPublisher
@@ -128,9 +130,13 @@ def stored(*envelopes: Any) -> list[StoredMessage]:
     return [StoredMessage(i + 1, 0, e) for i, e in enumerate(envelopes)]
 
 
-def test_the_direct_path_is_taken_with_the_installed_kombu() -> None:
+def test_the_direct_path_is_taken_from_kombu_5_7_on_and_left_alone_before() -> None:
+    """kombu 5.7 added the channel API the direct path needs; older kombu falls back."""
+    installed = Version(importlib.metadata.version("kombu"))
     with Connection(BROKER_REDIS) as conn:
-        assert direct_path_available(conn.default_channel)
+        assert direct_path_available(conn.default_channel) == (
+            installed >= Version("5.7")
+        )
 
 
 def test_default_exchange_messages_match_kombu(names: Names, claimed: bool) -> None:
@@ -346,7 +352,10 @@ def test_each_list_gets_one_push_with_its_messages_in_order(
     finally:
         publisher.close()
     assert {r.outcome for r in results} == {Outcome.PUBLISHED}
-    assert after - before == commands
+    with Connection(BROKER_REDIS) as conn:
+        direct = direct_path_available(conn.default_channel)
+    # Before kombu 5.7 the publisher falls back to kombu's Producer: one each.
+    assert after - before == (commands if direct else len(messages))
     lists = snapshot(names.tag)
     # A consumer pops from the right: the oldest message first.
     for queue in (first, second):

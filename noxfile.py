@@ -1,0 +1,147 @@
+"""The support matrix: every Django line with every Celery line, each on one Python.
+
+``make test`` runs every session (``.venv/bin/nox``); ``nox -l`` lists them and
+``nox -s 'tests(python=3.13, django=6.1, celery=5.7)'`` runs one. The newest combination runs
+the whole suite; every other pair runs the contract tests; the oldest installs the
+lowest version of every dependency ``pyproject.toml`` declares. ``tests/unit/test_packaging.py``
+checks that the ranges declared in ``pyproject.toml`` are the ones tested here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import nox
+from packaging.requirements import Requirement
+
+# The lines below are read by tests/unit/test_packaging.py (literals only).
+
+#: (Python, Django, Celery) of the newest combination: the whole suite.
+NEWEST = ("3.13", "6.1", "5.7")
+#: (Python, Django, Celery) on the lowest version of every declared dependency.
+OLDEST = ("3.10", "4.2", "5.4")
+#: Every other pair, on the newest patch release of each line: the contract tests.
+CONTRACT = (
+    ("3.11", "4.2", "5.5"),
+    ("3.12", "4.2", "5.6"),
+    ("3.11", "4.2", "5.7"),
+    ("3.11", "5.2", "5.4"),
+    ("3.12", "5.2", "5.5"),
+    ("3.13", "5.2", "5.6"),
+    ("3.10", "5.2", "5.7"),
+    ("3.12", "6.0", "5.4"),
+    ("3.13", "6.0", "5.5"),
+    ("3.12", "6.0", "5.6"),
+    ("3.13", "6.0", "5.7"),
+    ("3.12", "6.1", "5.4"),
+    ("3.13", "6.1", "5.5"),
+    ("3.12", "6.1", "5.6"),
+)
+#: What a user relies on whatever the versions: the message Celery would have sent,
+#: delivery through a real relay and worker, the pytest plugin, the migrations (and,
+#: in a second, that the metadata declares what this file tests).
+CONTRACT_TESTS = (
+    "tests/integration/test_fidelity.py",
+    "tests/e2e/test_delivery.py",
+    "tests/plugin",
+    "tests/integration/test_migrations.py",
+    "tests/unit/test_packaging.py",
+    # The relay's own AMQP frames and the Redis direct path replace py-amqp's and
+    # kombu's work: each py-amqp and kombu the ranges admit checks them.
+    "tests/unit/test_amqpframes.py",
+    "tests/unit/test_redis_check.py",
+    "tests/integration/test_redis_publisher.py",
+)
+#: ``make test`` runs the newest session alone (its fault tests stop RabbitMQ), then the
+#: others in this many parallel streams (tags ``stream-1`` ...; the Makefile names them).
+STREAMS = 2
+#: The extras whose lower bounds the oldest session installs, besides the core.
+DRIVER_EXTRAS = ("postgres", "mysql", "redis")
+
+ROOT = Path(__file__).parent
+#: Printed by every session: the versions it really installed.
+SHOWN = ("Django", "celery", "kombu", "amqp", "redis", "psycopg", "PyMySQL")
+SHOW = "import sys, importlib.metadata as m; print(*(f'{n} {m.version(n)}' for n in sys.argv[1:]))"
+PYTHONS = sorted({row[0] for row in (NEWEST, OLDEST, *CONTRACT)})
+
+nox.needs_version = ">=2025.5.1"
+nox.options.default_venv_backend = "uv"
+# A session whose Python is missing fails the run; nothing is downloaded instead.
+nox.options.error_on_missing_interpreters = True
+nox.options.download_python = "never"
+
+
+def _let_pyenv_answer() -> None:
+    """Make pyenv's shims (when pyenv is there) answer for every Python of the matrix.
+
+    Nox finds ``python3.12`` through pyenv only for the versions ``PYENV_VERSION``
+    names; each ``X.Y`` is added as the newest installed ``X.Y.Z``.
+    """
+    pyenv = shutil.which("pyenv")
+    if pyenv is None:
+        return
+    active = [v for v in os.environ.get("PYENV_VERSION", "").split(":") if v]
+    for python in PYTHONS:
+        found = subprocess.run(
+            [pyenv, "latest", python],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        if found and found not in active:
+            active.append(found)
+    os.environ["PYENV_VERSION"] = ":".join(active)
+
+
+_let_pyenv_answer()
+
+
+def _lowest_pins() -> list[str]:
+    """``name==lower bound`` of the core dependencies and the driver extras."""
+    project = nox.project.load_toml(ROOT / "pyproject.toml")["project"]
+    declared = list(project["dependencies"])
+    for extra in DRIVER_EXTRAS:
+        declared += project["optional-dependencies"][extra]
+    pins = []
+    for line in declared:
+        requirement = Requirement(line)
+        [lower] = [s.version for s in requirement.specifier if s.operator == ">="]
+        extras = (
+            f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
+        )
+        pins.append(f"{requirement.name}{extras}=={lower}")
+    return pins
+
+
+def _session_id(python: str, django: str, celery: str) -> str:
+    return f"python={python}, django={django}, celery={celery}"
+
+
+def _params() -> list[Any]:
+    """The newest session, then the others, each tagged with the stream it runs in."""
+    newest = nox.param(*NEWEST, id=_session_id(*NEWEST), tags=["newest"])
+    others = [(OLDEST, "oldest"), *((row, "contract") for row in CONTRACT)]
+    return [newest] + [
+        nox.param(*row, id=_session_id(*row), tags=[tag, f"stream-{n % STREAMS + 1}"])
+        for n, (row, tag) in enumerate(others)
+    ]
+
+
+@nox.session(name="tests")
+@nox.parametrize(("python", "django", "celery"), _params())
+def tests(session: nox.Session, django: str, celery: str) -> None:
+    """One (Python, Django, Celery) combination of the matrix."""
+    row = (session.python, django, celery)
+    if row == OLDEST:
+        pins = _lowest_pins()
+    else:
+        pins = [f"Django=={django}.*", f"celery=={celery}.*"]
+    session.install("-e", ".[test]", *pins)
+    session.run("python", "-c", SHOW, *SHOWN)
+    paths = () if row == NEWEST else CONTRACT_TESTS
+    # pytest reads pyproject.toml: filterwarnings = error holds in every session.
+    session.run("python", "-m", "pytest", *paths, *session.posargs)
