@@ -280,7 +280,9 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
     def current_state(self, obj: OutboxMessage) -> str:
         """due, in_flight, retrying, deferred, or an ordered key's running / blocked."""
         if obj.state in ("running", "blocked"):
-            return str(obj.state)  # a strict head a worker runs; a head that blocks its key
+            return str(
+                obj.state
+            )  # a strict head a worker runs; a head that blocks its key
         return message_state(
             obj.lease_token, obj.available_at, obj.attempts, timezone.now()
         )
