@@ -23,3 +23,15 @@ def test_the_readme_starts_with_the_two_commands() -> None:
     assert "make demo" in first_block
     assert "make test" in first_block
     assert text.index("```sh") < text.index("\n## ")
+
+
+def test_the_package_the_metadata_and_the_changelog_agree_on_the_version() -> None:
+    from celery_outbox import __version__
+
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    newest = re.search(r"^## (\S+)", changelog, re.M)
+    assert newest is not None
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"$', pyproject, re.M)
+    assert declared is not None
+    assert newest.group(1) == declared.group(1) == __version__
