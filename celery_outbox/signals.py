@@ -17,7 +17,7 @@ breaks the caller's transaction or the relay's settlement. The sender is the
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import connections, transaction
@@ -35,6 +35,13 @@ message_dead_lettered = Signal()
 #: A row was deleted at claim time, unpublished: a newer one of its coalescing
 #: group (task name, ordering key) waits. Arguments: task_id, task_name, ordering_key.
 message_coalesced = Signal()
+
+
+#: Django 6.1 renamed ``transaction.savepoint()`` (deprecated there) to
+#: ``savepoint_create()``; earlier versions have only the old name.
+_savepoint_create: Callable[..., str] = getattr(
+    transaction, "savepoint_create", transaction.savepoint
+)
 
 
 def _sender() -> Any:
@@ -69,9 +76,7 @@ def send_created(envelopes: Sequence[Envelope], using: str) -> None:
     if not message_created.receivers or not message_created.has_listeners(_sender()):
         return  # the first test costs nothing when nobody is connected
     connection = connections[using]
-    savepoint = (
-        transaction.savepoint(using=using) if connection.in_atomic_block else None
-    )
+    savepoint = _savepoint_create(using=using) if connection.in_atomic_block else None
     ok = True
     for envelope in envelopes:
         ok = (

@@ -143,7 +143,10 @@ def test_concurrent_writers_of_one_key_write_one_row(alias: str, settings: Any) 
     def first() -> None:
         try:
             with transaction.atomic(using=alias):
-                results["first"] = record.apply_async(("1",), dedup_key="race").id
+                # ignore_result: no result-backend connection left open per thread.
+                results["first"] = record.apply_async(
+                    ("1",), dedup_key="race", ignore_result=True
+                ).id
                 first_sent.set()
                 time.sleep(1.0)  # the second writer is blocked meanwhile
             first_committed_at.append(time.monotonic())
@@ -157,7 +160,9 @@ def test_concurrent_writers_of_one_key_write_one_row(alias: str, settings: Any) 
         try:
             first_sent.wait(10)
             with transaction.atomic(using=alias):
-                results["second"] = record.apply_async(("2",), dedup_key="race").id
+                results["second"] = record.apply_async(
+                    ("2",), dedup_key="race", ignore_result=True
+                ).id
             second_done_at.append(time.monotonic())
         except BaseException as exc:
             errors.append(exc)

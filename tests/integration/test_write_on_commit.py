@@ -225,7 +225,9 @@ def test_a_refused_row_rolled_back_with_its_savepoint_lets_the_rest_commit() -> 
 def test_a_refused_row_rolled_back_to_a_savepoint_made_by_hand() -> None:
     with transaction.atomic(using=ALIAS):
         Order.objects.using(ALIAS).create(number="kept")
-        savepoint = transaction.savepoint(using=ALIAS)
+        # savepoint_create() from Django 6.1 on, where savepoint() is deprecated.
+        create = getattr(transaction, "savepoint_create", transaction.savepoint)
+        savepoint = create(using=ALIAS)
         record.delay("refuse")
         # A raw statement: a model's save() would make Django refuse the rest of
         # the block, whatever the savepoint.
