@@ -12,8 +12,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,lint,dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/python -m demo
+# The demo needs only the package itself (Django, Celery, kombu): a venv of its own.
+DEMO_VENV := .venv-demo
+$(DEMO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install --quiet --disable-pip-version-check -e .
+	touch $@
+
+demo: $(DEMO_VENV)/.installed
+	$(DEMO_VENV)/bin/python -m demo
 
 services:
 	bash scripts/services.sh
@@ -43,4 +50,4 @@ bench: $(STAMP) services
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .nox .mypy_cache .ruff_cache .pytest_cache demo/var
+	rm -rf $(VENV) $(DEMO_VENV) .nox .mypy_cache .ruff_cache .pytest_cache demo/var

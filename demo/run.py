@@ -509,7 +509,14 @@ def main(argv: list[str] | None = None) -> int:
         if not outcome.held:
             logs = "\n".join(f"  {c.name} log:\n{c.tail()}" for c in children)
             print(f"\n{logs}", file=sys.stderr)
-        return 0 if outcome.held else 1
+            return 1
+        print(
+            "\nThe code: the orders and their send_receipt.delay() in "
+            "demo/run.py (place_orders), the task in demo/shop/tasks.py, the app in "
+            "demo/celery.py, the settings in demo/settings.py.\nFor your own project: "
+            "README.md, 'Quick start'; docs/quickstart.md walks through it."
+        )
+        return 0
     except DemoFailed as exc:
         print(f"\nDemo failed: {exc}", file=sys.stderr)
         return 2
