@@ -1,10 +1,12 @@
 """The support matrix: every Django line with every Celery line, each on one Python.
 
-``make test`` runs every session (``.venv/bin/nox``); ``nox -l`` lists them and
-``nox -s 'tests(python=3.13, django=6.1, celery=5.7)'`` runs one. The newest combination runs
-the whole suite; every other pair runs the contract tests; the oldest installs the
-lowest version of every dependency ``pyproject.toml`` declares. ``tests/unit/test_packaging.py``
-checks that the ranges declared in ``pyproject.toml`` are the ones tested here.
+The newest combination runs the whole suite; every other pair runs the contract tests;
+the oldest installs the lowest version of every dependency ``pyproject.toml`` declares.
+``make test`` runs the newest session, then the others in two streams at once;
+``.venv/bin/nox`` runs them all one after the other, ``nox -l`` lists them and
+``nox -s 'tests(python=3.13, django=6.1, celery=5.7)'`` runs one.
+``tests/unit/test_packaging.py`` checks that the ranges ``pyproject.toml`` declares
+(and the README's table) are the ones tested here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Ignore
@@ -89,7 +89,13 @@ def checked_key(task_name: str, key: Any) -> str:
     return key
 
 
-class InboxTask(DjangoTask[Any, Any]):
+if TYPE_CHECKING:
+    _Base = DjangoTask[Any, Any]
+else:  # Celery's Task is subscriptable only from 5.7 on
+    _Base = DjangoTask
+
+
+class InboxTask(_Base):
     """A Django task whose body runs at most once per message key (opt-in per task)."""
 
     #: ``True``/``False`` from ``@app.task(inbox=...)``; None follows ``CELERY_OUTBOX_INBOX``.

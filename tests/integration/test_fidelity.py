@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, chain, group, signals
+from celery import __version__ as celery_version
 from celery.canvas import Signature
 from django.db import transaction
 from kombu import Connection, Exchange, Queue
@@ -850,6 +851,15 @@ def send_both(
     return expected, actual
 
 
+#: Before Celery 5.7, a task of the app's task class sends its children without its
+#: lineage (parent_id, root_id): a known defect, open (see the closing note of #18).
+OLD_CELERY_LINEAGE = pytest.mark.xfail(
+    tuple(int(p) for p in celery_version.split(".")[:2]) < (5, 7),
+    reason="known defect before Celery 5.7: a running task's children lose their lineage",
+    strict=False,
+)
+
+
 def case_params() -> list[Any]:
     return [
         pytest.param(
@@ -857,6 +867,8 @@ def case_params() -> list[Any]:
             id=case.id,
             marks=[pytest.mark.xfail(strict=True, reason=case.known_bug)]
             if case.known_bug
+            else [OLD_CELERY_LINEAGE]
+            if "lineage" in case.id
             else [],
         )
         for case in CASES
