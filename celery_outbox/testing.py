@@ -16,9 +16,9 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from types import SimpleNamespace
 from typing import Any, Literal
 
+from celery.signals import task_prerun
 from kombu import serialization
 from kombu.compression import decompress
 from kombu.serialization import dumps, loads
@@ -571,36 +571,31 @@ class OutboxFixture:
         return ExecutedTask(message, result)
 
 
-class _Sender:
-    """Stands, on Celery's task stack, for the task that sent a message.
-
-    ``Task.apply`` takes the new task's ``parent_id`` and ``root_id`` from the top of
-    that stack, where a worker takes them from the message. ``called_directly``
-    keeps it from ever counting as a task a worker runs.
-    """
-
-    def __init__(self, parent_id: str | None, root_id: str | None) -> None:
-        self.request = SimpleNamespace(
-            id=parent_id, root_id=root_id, called_directly=True
-        )
-
-
 @contextlib.contextmanager
 def _sent_by(message: EnqueuedTask) -> Iterator[None]:
-    """Run ``Task.apply`` with the lineage (parent and root ids) the message carries."""
-    if message.parent_id is None and message.root_id in (None, message.task_id):
-        yield  # a workflow's first task: what Task.apply gives it anyway
-        return
-    # Celery keeps the stack to itself (nor do its stubs know it).
-    from celery._state import _task_stack  # type: ignore[attr-defined]
+    """Run ``Task.apply`` with the lineage (parent and root ids) the message carries.
 
-    sender = _Sender(message.parent_id, message.root_id)
-    _task_stack.push(sender)
+    A worker takes a task's ``parent_id`` and ``root_id`` from the message; Celery's
+    ``Task.apply`` does not (before 5.7 it sets neither, from 5.7 it takes them from
+    the task running around the call). Celery's public ``task_prerun`` signal comes
+    after the request is pushed and before the body runs: the message's lineage is
+    written into that request there, so every Celery version gives the task what a
+    worker would.
+    """
+    parent_id = message.parent_id
+    root_id = message.root_id or message.task_id
+
+    def give_lineage(sender: Any = None, task_id: Any = None, **_: Any) -> None:
+        request = getattr(sender, "request", None)
+        if task_id == message.task_id and request is not None:
+            request.parent_id = parent_id
+            request.root_id = root_id
+
+    task_prerun.connect(give_lineage, weak=False)
     try:
         yield
     finally:
-        if _task_stack.top is sender:
-            _task_stack.pop()
+        task_prerun.disconnect(give_lineage)
 
 
 def _capture_sends_from_tasks() -> Any:

@@ -8,7 +8,6 @@ from typing import Any
 from unittest.mock import ANY
 
 import pytest
-from celery import __version__ as celery_version
 from celery import chain
 from django.db import transaction
 from kombu import Connection
@@ -333,11 +332,6 @@ def test_filter_returns_the_matching_messages(outbox: OutboxFixture) -> None:
 # -- a worker's view, the relay's signals ------------------------------------------
 
 
-@pytest.mark.xfail(
-    tuple(int(p) for p in celery_version.split(".")[:2]) < (5, 7),
-    reason="known defect before Celery 5.7: a running task's children lose their lineage",
-    strict=False,
-)
 def test_run_enqueued_gives_a_task_the_lineage_a_worker_would(
     outbox: OutboxFixture,
 ) -> None:
@@ -348,11 +342,6 @@ def test_run_enqueued_gives_a_task_the_lineage_a_worker_would(
     assert child.value == repr({"parent_id": parent.id, "root_id": parent.id})
 
 
-@pytest.mark.xfail(
-    tuple(int(p) for p in celery_version.split(".")[:2]) < (5, 7),
-    reason="known defect before Celery 5.7: a running task's children lose their lineage",
-    strict=False,
-)
 def test_run_enqueued_keeps_the_lineage_the_message_names(
     outbox: OutboxFixture,
 ) -> None:
