@@ -576,7 +576,7 @@ def _sent_by(message: EnqueuedTask) -> Iterator[None]:
     """Run ``Task.apply`` with the lineage (parent and root ids) the message carries.
 
     A worker takes a task's ``parent_id`` and ``root_id`` from the message; Celery's
-    ``Task.apply`` does not (before 5.7 it sets neither, from 5.7 it takes them from
+    ``Task.apply`` does not (before 5.6 it sets neither, from 5.6 it takes them from
     the task running around the call). Celery's public ``task_prerun`` signal comes
     after the request is pushed and before the body runs: the message's lineage is
     written into that request there, so every Celery version gives the task what a

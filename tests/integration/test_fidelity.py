@@ -160,11 +160,11 @@ def send_from_running_task(app: Celery, names: Names) -> None:
 
 
 #: Celery's eager ``Task.apply`` records the running task as the root of the task it
-#: runs only from 5.7 on; before, the parent it runs is its own root. Plain Celery
+#: runs only from 5.6 on; before, the parent it runs is its own root. Plain Celery
 #: and the outbox are held to the same value either way.
 EAGER_APPLY_KNOWS_ITS_ROOT = tuple(int(p) for p in celery_version.split(".")[:2]) >= (
     5,
-    7,
+    6,
 )
 
 
