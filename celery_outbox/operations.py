@@ -17,9 +17,11 @@ from typing import Any
 from django.core.management.base import CommandError, OutputWrapper
 
 from .durations import parse_duration, parse_moment
+from .progress import ProgressBar
 from .store import DeadLetterFilter, OutboxStore, Summary, TopFailures
 
-#: Replays larger than this many dead letters draw a progress bar on stderr.
+#: Replays larger than this many dead letters (or than one chunk) draw a progress
+#: bar on stderr, when tqdm (the ``progress`` extra) is installed.
 PROGRESS_THRESHOLD = 1000
 
 
@@ -255,14 +257,21 @@ def _moment(flag: str, text: str | None, now: datetime | None) -> datetime | Non
 
 def replay(store: OutboxStore, request: ReplayRequest, stderr: OutputWrapper) -> str:
     """Run a replay (drawing a progress bar on ``stderr`` when large); returns a summary."""
-    bar = _ProgressBar(stderr, request.chunk_size)
-    report = store.replay_dead_letters(
-        request.selection,
-        dry_run=request.dry_run,
-        chunk_size=request.chunk_size,
-        progress=bar.update,
+    bar = ProgressBar(
+        stderr,
+        "replaying",
+        unit=" dead letters",
+        threshold=min(PROGRESS_THRESHOLD, request.chunk_size),
     )
-    bar.finish()
+    try:
+        report = store.replay_dead_letters(
+            request.selection,
+            dry_run=request.dry_run,
+            chunk_size=request.chunk_size,
+            progress=bar.update,
+        )
+    finally:
+        bar.close()
     breakdown = _breakdown(report.by_task)
     if report.dry_run:
         summary = f"would replay {report.matched} dead letter(s){breakdown} (dry run)"
@@ -288,30 +297,6 @@ def _breakdown(by_task: Mapping[str, int]) -> str:
     if not by_task:
         return ""
     return ": " + ", ".join(f"{name} {count}" for name, count in by_task.items())
-
-
-class _ProgressBar:
-    """``replaying [#####-----] 500/1000`` redrawn in place; only for large replays."""
-
-    width = 30
-
-    def __init__(self, stream: OutputWrapper, chunk_size: int) -> None:
-        self.stream = stream
-        self.threshold = min(PROGRESS_THRESHOLD, chunk_size)
-        self.drawn = False
-
-    def update(self, done: int, total: int) -> None:
-        if total <= self.threshold:
-            return
-        filled = self.width * done // total
-        bar = "#" * filled + "-" * (self.width - filled)
-        self.stream.write(f"\rreplaying [{bar}] {done}/{total}", ending="")
-        self.stream.flush()
-        self.drawn = True
-
-    def finish(self) -> None:
-        if self.drawn:
-            self.stream.write("")
 
 
 # -- purge -----------------------------------------------------------------------

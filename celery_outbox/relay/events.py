@@ -56,6 +56,8 @@ class BreakerOpened:
     """Consecutive broker outages: claiming pauses."""
 
     seconds: float
+    #: The last outage's reason, as the publisher gave it.
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,11 @@ def log_event(event: RelayEvent) -> None:
     elif isinstance(event, LoopError):
         logger.error("relay %s failed: %s", event.stage, event.error)
     elif isinstance(event, BreakerOpened):
-        logger.warning("broker unreachable: pausing for %.1f s", event.seconds)
+        logger.warning(
+            "broker unreachable: pausing for %.1f s: %s",
+            event.seconds,
+            event.error or "no reason given",
+        )
     elif isinstance(event, Coalesced):
         logger.info("coalesced: %d older rows dropped for newer ones", len(event.rows))
 

@@ -347,7 +347,9 @@ class Relay:
         was_open = self.breaker.is_open(self.clock())
         self.breaker = self.breaker.after_batch(results, self.clock())
         if not was_open and self.breaker.is_open(self.clock()):
-            emit(self.listeners, BreakerOpened(self.breaker.open_until - self.clock()))
+            reason = next((r.error for r in results if r.outcome is Outcome.OUTAGE), "")
+            seconds = self.breaker.open_until - self.clock()
+            emit(self.listeners, BreakerOpened(seconds, reason))
 
     def _database_failed(self, stage: str, exc: OutboxDatabaseError) -> None:
         emit(self.listeners, LoopError(stage, describe(exc)))

@@ -11,7 +11,7 @@ from ..app import resolve_app
 from ..broker import Publisher, broker_driver, build_publisher
 from ..conf import OutboxSettings
 from ..contrib import library_in_use
-from ..contrib.logcontext import LogContextListener, structlog_available
+from ..contrib.logcontext import bound_log_context, structlog_available
 from ..enqueue import outbox_alias
 from ..exceptions import OutboxConfigurationError
 from ..metrics import PrometheusSink, RelayMetrics, StatsdSink
@@ -21,7 +21,9 @@ from .config import RelayConfig
 from .events import Listener, TracingHook, log_event
 from .heartbeat import Heartbeat, new_relay_id
 from .listener import PgNotifyListener
+from .logs import FailureLog
 from .loop import Relay
+from .probe import broker_location, probe_broker, probe_database
 from .waiter import Waiter
 
 
@@ -34,24 +36,34 @@ def build_relay(
 ) -> Relay:
     """A relay for the configured app and outbox alias; fails early on bad configuration.
 
-    Listeners: logging, Django signals, and metrics when StatsD is configured or a
+    Probes the outbox database and the broker once and logs where they are
+    (:mod:`.probe`). Listeners: logging (a rate-limited line per retry and dead
+    letter, :mod:`.logs`), Django signals, and metrics when StatsD is configured or a
     Prometheus port is given (``/metrics`` served on that port). Tracing (Sentry,
-    OpenTelemetry) and per-message log lines in the enqueue-time structlog context are
-    added when those libraries are set up in this process.
+    OpenTelemetry) and the enqueue-time structlog context around the per-message lines
+    are added when those libraries are set up in this process.
     """
     config = RelayConfig.from_settings(settings, **overrides)
     alias = outbox_alias(settings)
     store = OutboxStore(alias, holder=new_relay_id())
-    store.dialect  # noqa: B018 - refuses an unsupported database before the loop starts
-    store.ping()  # a clear error now if the database or the outbox tables are missing
+    # Where the relay connects, logged once. A broker that is down is an outage like
+    # any other; a database that is down or lacks the tables stops the relay here.
+    database = probe_database(store)
     broker = ""
     if publisher is None:
         app = resolve_app(settings)
         broker = broker_driver(app)
+        where = broker_location(app)
         # Flags such as --send-timeout also bound connecting and socket reads.
         publisher = build_publisher(
             app, dataclasses.replace(settings, send_timeout=config.send_timeout)
         )
+    else:
+        where = type(publisher).__name__
+    probe_broker(publisher, where)
+    if database.failure is not None:
+        publisher.close()
+        raise database.failure
     wakeup = None
     if settings.notify and connections[alias].vendor == "postgresql":
         wakeup = PgNotifyListener(alias)
@@ -69,8 +81,12 @@ def build_relay(
         listeners.append(RelayMetrics(PrometheusSink(), store))
     batch_hooks = tracing_hooks(broker or type(publisher).__name__)
     listeners.extend(batch_hooks)
+    # Retries and dead letters, rate-limited; in each message's enqueue-time structlog
+    # context when that is on.
     if settings.log_context and structlog_available():
-        listeners.append(LogContextListener())
+        listeners.append(FailureLog(context=bound_log_context))
+    else:
+        listeners.append(FailureLog())
     waiter = Waiter()
     # Rows taken over from a dead relay are due now: the loop claims them at once.
     heartbeat = Heartbeat(store, config.heartbeat_interval, on_takeover=waiter.wake)

@@ -42,7 +42,7 @@ from sentry_sdk.transport import Transport
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import get_settings
 from celery_outbox.contrib.logcontext import (
-    LogContextListener,
+    bound_log_context,
     capture_log_context,
     structlog_available,
 )
@@ -58,6 +58,7 @@ from celery_outbox.outcomes import (
     PublishResult,
     Settlement,
 )
+from celery_outbox.relay.logs import FailureLog
 from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.runner import build_relay
 from celery_outbox.store import Claim, DeadLetterFilter, OutboxStore
@@ -480,7 +481,8 @@ def test_relay_logs_failures_in_the_enqueue_context(settings: Any) -> None:
 
     publisher = InMemoryPublisher(refuse)
     relay_ = build_relay(get_settings(), publisher=publisher)
-    assert any(isinstance(h, LogContextListener) for h in relay_.listeners)
+    [failures_log] = [h for h in relay_.listeners if isinstance(h, FailureLog)]
+    assert failures_log.context is bound_log_context
     handler = ContextHandler()
     logger = logging.getLogger("celery_outbox.relay")
     logger.addHandler(handler)
@@ -557,7 +559,8 @@ def test_without_structlog_nothing_is_captured_and_no_listener_is_added(
     assert not structlog_available()
     assert capture_log_context(get_settings()) is EMPTY_LOG_CONTEXT
     relay_, _ = relay()
-    assert not any(isinstance(h, LogContextListener) for h in relay_.listeners)
+    [failures_log] = [h for h in relay_.listeners if isinstance(h, FailureLog)]
+    assert failures_log.context is not bound_log_context  # failures logged, no context
 
 
 def test_core_works_without_the_optional_libraries() -> None:

@@ -143,9 +143,9 @@ def test_an_outage_releases_rows_without_an_attempt_and_opens_the_breaker() -> N
     world.clock.advance(POLICY.outage_cooldown)
     assert world.relay.run_once() is Cycle.PARTIAL  # the second outage in a row
     assert [r.attempts for r in world.store.rows] == [0, 0]
-    assert [e for e in world.events if isinstance(e, BreakerOpened)] == [
-        BreakerOpened(POLICY.outage_cooldown)
-    ]
+    [opened] = [e for e in world.events if isinstance(e, BreakerOpened)]
+    assert opened.seconds == POLICY.outage_cooldown
+    assert opened.error == world.store.rows[0].last_error  # the broker's reason
 
     world.publisher.down = False
     world.clock.advance(POLICY.outage_cooldown - 1)
