@@ -2,20 +2,26 @@
 
 A pause added here stops its category or shard within one processor pass; deleting
 it resumes, through :class:`~celery_outbox.handlers.store.HandlerStore` so the shards
-it stopped are due at once. Lists show the router's database for these tables.
+it stopped are due at once. Dead letters can be replayed (written back at the end of
+their shards, as ``manage.py outbox handler-replay`` does). Lists show the router's
+database for these tables.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db import router
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
 from .models import HandlerDeadLetter, HandlerMessage, HandlerPause, HandlerShard
+from .registry import registry
 from .store import HandlerStore
+
+#: The most dead letters one admin action replays (each is loaded and logged).
+REPLAY_LIMIT = 10_000
 
 
 def _store() -> HandlerStore:
@@ -73,6 +79,43 @@ class HandlerDeadLetterAdmin(_ReadOnly):
     list_display = ("id", "category", "shard", "object_id", "attempts", "died_at")
     list_filter = ("category",)
     search_fields = ("shard", "object_id")
+    actions = ["replay"]
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        """Replaying needs the change permission on handler dead letters."""
+        return bool(
+            request.user.has_perm("celery_outbox_handlers.change_handlerdeadletter")
+        )
+
+    @admin.action(
+        description="Replay (run again, at the end of their shards)",
+        permissions=("replay",),
+    )
+    def replay(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Write the selected dead letters back as new messages of their shards."""
+        count = queryset.count()
+        if count > REPLAY_LIMIT:
+            self.message_user(
+                request,
+                f"{count:,} dead letters are selected; this action replays at most "
+                f"{REPLAY_LIMIT:,}. Nothing was done: narrow the selection, or use "
+                f"`manage.py outbox handler-replay` (--category, --shard, --all).",
+                messages.ERROR,
+            )
+            return
+        picked = {int(obj.pk): obj for obj in queryset.defer("payload", "last_error")}
+        report = _store().replay(ids=list(picked), coalesces=registry.coalesces)
+        for pk in report.ids:
+            self.log_change(request, picked[pk], "Replayed at the end of its shard.")
+        text = f"{report.replayed} dead letter(s) replayed."
+        if report.superseded:
+            text += (
+                f" {report.superseded} left: a newer message of their object waits "
+                f"in their shard and would run instead."
+            )
+        self.message_user(
+            request, text, messages.SUCCESS if report.replayed else messages.WARNING
+        )
 
 
 @admin.register(HandlerPause)

@@ -12,14 +12,14 @@ from django.core.management.base import CommandError, CommandParser
 
 from ..conf import get_settings
 
-#: Subcommand name -> what runs it.
-SUBCOMMANDS = ("handlers", "handler-stats", "pause", "resume")
+#: The ``outbox`` subcommands this module runs.
+SUBCOMMANDS = ("handlers", "handler-stats", "handler-replay", "pause", "resume")
 
 
 def add_parsers(
     sub: Any, kwargs: dict[str, Any], positive: Callable[[type], Any]
 ) -> None:
-    """Add ``handlers``, ``handler-stats``, ``pause`` and ``resume`` to ``sub``."""
+    """Add ``handlers``, ``handler-stats``, ``handler-replay``, ``pause``, ``resume``."""
     run = sub.add_parser(
         "handlers", help="Run handler-outbox receivers (no broker).", **kwargs
     )
@@ -28,6 +28,12 @@ def add_parsers(
     )
     run.add_argument("--lease-seconds", type=positive(float), default=None)
     run.add_argument("--poll-interval", type=positive(float), default=None)
+    run.add_argument(
+        "--metrics-port",
+        type=positive(int),
+        default=None,
+        help="Serve Prometheus metrics on this port (needs prometheus_client).",
+    )
     _databases(run)
     stats = sub.add_parser(
         "handler-stats", help="Print the handler outboxes' backlog.", **kwargs
@@ -35,6 +41,18 @@ def add_parsers(
     stats.add_argument("--format", choices=["text", "json"], default="text")
     stats.add_argument("--top", type=positive(int), default=10, metavar="N")
     _databases(stats)
+    replay = sub.add_parser(
+        "handler-replay",
+        help="Write handler dead letters back at the end of their shards.",
+        **kwargs,
+    )
+    replay.add_argument("--id", type=positive(int), action="append", default=None)
+    replay.add_argument("--category", default=None)
+    replay.add_argument("--shard", default=None, help="A shard key, e.g. org:42.")
+    replay.add_argument(
+        "--all", action="store_true", help="Every dead letter (no filter needed)."
+    )
+    _databases(replay)
     for verb, text in (("pause", "Stop"), ("resume", "Restart")):
         parser = sub.add_parser(
             verb, help=f"{text} a handler category or shard, at runtime.", **kwargs
@@ -69,9 +87,20 @@ def handle(options: dict[str, Any], write: Callable[[str], None]) -> None:
     )
     command = options["subcommand"]
     if command == "handlers":
-        _run(Processor(config), write)
+        from .metrics import processor_listeners
+
+        listeners = processor_listeners(
+            get_settings(), config.databases, options.get("metrics_port")
+        )
+        try:
+            _run(Processor(config, listeners=listeners), write)
+        finally:
+            for listener in listeners:
+                listener.close()
     elif command == "handler-stats":
         _stats(config.databases, options["format"], options["top"], write)
+    elif command == "handler-replay":
+        _replay(config.databases, options, write)
     else:
         _switch(command, config.databases, options, write)
 
@@ -103,11 +132,20 @@ def _stats(
     for r in reports:
         write(f"database {r.database}:")
         write(f"  messages: {r.messages} in {r.shards} shard(s)")
+        write(f"  shards waiting for a processor: {r.waiting}")
+        write(f"  shards held by a processor: {r.leased}")
         write(f"  blocked shards (head failing): {r.blocked}")
+        for b in r.blocked_shards:
+            error = (b.last_error.strip().splitlines() or [""])[-1][:200]
+            write(
+                f"    {b.shard}: {b.category or '?'} message {b.head_id}, "
+                f"{b.attempts} attempt(s), failing for {_seconds(b.failing_seconds)}, "
+                f"next in {_seconds(b.next_attempt_seconds)}: {error}"
+            )
         write(f"  paused shards: {r.paused_shards}")
         write(f"  paused categories: {', '.join(r.paused_categories) or '-'}")
         write(f"  paused shard keys: {', '.join(r.paused_shard_keys) or '-'}")
-        write(f"  oldest message: {_seconds(r.oldest_age)}")
+        write(f"  oldest message (a shard's head): {_seconds(r.oldest_age)}")
         write(f"  processing lag (oldest not blocked or paused): {_seconds(r.lag)}")
         write(f"  dead letters: {r.dead_letters}")
         for name, count in sorted(r.coalesced.items()):
@@ -116,6 +154,30 @@ def _stats(
             write("  deepest shards:")
             for depth in r.deepest:
                 write(f"    {depth.shard}: {depth.messages}")
+
+
+def _replay(
+    databases: tuple[str, ...], options: dict[str, Any], write: Callable[[str], None]
+) -> None:
+    from .registry import registry
+    from .store import HandlerStore
+
+    ids, category, shard = options["id"], options["category"], options["shard"]
+    if not (ids or category or shard or options["all"]):
+        raise CommandError(
+            "name what to replay: --id N (repeatable), --category, --shard, or --all"
+        )
+    for alias in databases:
+        report = HandlerStore(alias).replay(
+            ids=ids, category=category, shard=shard, coalesces=registry.coalesces
+        )
+        line = f"{alias}: {report.replayed} dead letter(s) replayed"
+        if report.superseded:
+            line += (
+                f"; {report.superseded} left (a newer message of their object "
+                f"waits in their shard)"
+            )
+        write(line)
 
 
 def _seconds(value: float | None) -> str:

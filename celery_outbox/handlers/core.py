@@ -26,6 +26,8 @@ class Row:
     object_id: str
     payload: str
     created_at: datetime
+    #: Seconds since the message was written, by the database's clock at the read.
+    age_seconds: float | None = None
 
 
 @dataclass(frozen=True)

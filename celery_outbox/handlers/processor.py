@@ -22,6 +22,14 @@ from django.db import connections, router, transaction
 
 from ..conf import OutboxSettings, get_settings
 from .core import Plan, Row, Verdict, after_failure, coalesce
+from .events import (
+    HandlerListener,
+    MessageHandled,
+    MessagesCoalesced,
+    Outcome,
+    PassDone,
+    emit,
+)
 from .models import HandlerMessage
 from .registry import Category, Registry, registry
 from .store import HandlerStore, Lease, LeaseLost, Pauses
@@ -83,14 +91,6 @@ class StopReason(str, enum.Enum):
     EMPTY = "empty"
 
 
-class Outcome(str, enum.Enum):
-    """What became of one message after its receiver ran."""
-
-    DONE = "done"
-    RETRY = "retry"
-    DEAD_LETTER = "dead_letter"
-
-
 class Renewer:
     """A thread that extends a lease every third of its length while receivers run."""
 
@@ -140,9 +140,11 @@ class Processor:
         categories: Registry = registry,
         *,
         monotonic: Callable[[], float] = time.monotonic,
+        listeners: Sequence[HandlerListener] = (),
     ) -> None:
         self.config = config
         self.categories = categories
+        self.listeners = tuple(listeners)
         self._monotonic = monotonic
         self._stop = threading.Event()
         self._discovered_at: dict[str, float] = {}
@@ -170,6 +172,7 @@ class Processor:
             except Exception:
                 logger.exception("handler pass on database %r failed", alias)
                 connections[alias].close()
+        emit(self.listeners, PassDone(claimed))
         return claimed
 
     def flush(self, alias: str, shards: Iterable[str]) -> None:
@@ -227,6 +230,7 @@ class Processor:
                 store.requeue(lease)
                 return
             rows = store.read(lease, self.config.window)
+            read_at = self._monotonic()
             if not rows:
                 store.release(lease)
                 return
@@ -235,26 +239,62 @@ class Processor:
                 store.discard(
                     lease, plan.superseded, plan.coalesced, self.config.lease_seconds
                 )
-            if not self._run_window(store, lease, plan, pauses):
+                emit(
+                    self.listeners,
+                    MessagesCoalesced(store.using, lease.shard, plan.coalesced),
+                )
+            if not self._run_window(store, lease, plan, pauses, read_at):
                 return
         store.requeue(lease)
 
     def _run_window(
-        self, store: HandlerStore, lease: Lease, plan: Plan, pauses: Pauses
+        self,
+        store: HandlerStore,
+        lease: Lease,
+        plan: Plan,
+        pauses: Pauses,
+        read_at: float,
     ) -> bool:
         """Run a window's rows; False when the shard stopped (failure or pause)."""
         for row in plan.run:
             if row.category in pauses.categories:
                 store.hold(lease, row.category, self.config.pause_recheck_seconds)
                 return False
-            if self.run_one(store, lease, row) is Outcome.RETRY:
+            if self.run_one(store, lease, row, read_at) is Outcome.RETRY:
                 return False
         return True
 
-    def run_one(self, store: HandlerStore, lease: Lease, row: Row) -> Outcome:
-        """Run one message's receiver and settle it."""
-        category = self.categories.get(row.category)
+    def run_one(
+        self, store: HandlerStore, lease: Lease, row: Row, read_at: float | None = None
+    ) -> Outcome:
+        """Run one message's receiver, settle it, and report it to the listeners.
+
+        ``read_at``: the monotonic time the row was read, to report its age.
+        """
+        started = self._monotonic()
         attempt = (lease.attempts if lease.head_id == row.id else 0) + 1
+        outcome = self._run_and_settle(store, lease, row, attempt)
+        if self.listeners:
+            ended = self._monotonic()
+            age = None
+            if row.age_seconds is not None and read_at is not None:
+                age = row.age_seconds + max(0.0, ended - read_at)
+            event = MessageHandled(
+                store.using,
+                lease.shard,
+                row.category,
+                outcome,
+                attempt,
+                max(0.0, ended - started),
+                age,
+            )
+            emit(self.listeners, event)
+        return outcome
+
+    def _run_and_settle(
+        self, store: HandlerStore, lease: Lease, row: Row, attempt: int
+    ) -> Outcome:
+        category = self.categories.get(row.category)
         try:
             if category is None:
                 raise LookupError(
@@ -342,7 +382,12 @@ def _token() -> str:
 def flush_shards(alias: str, shards: Sequence[str]) -> None:
     """Run ``shards`` in this process now; failures are logged, rows stay for the processor."""
     try:
-        Processor(config_from_settings(databases=(alias,))).flush(alias, shards)
+        from .metrics import flush_listeners
+
+        settings = get_settings()
+        config = config_from_settings(settings, databases=(alias,))
+        processor = Processor(config, listeners=flush_listeners(settings))
+        processor.flush(alias, shards)
     except Exception:
         logger.exception(
             "flushing handler shards on %r failed; the processor will run them", alias

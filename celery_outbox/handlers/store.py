@@ -12,7 +12,7 @@ processor cannot take the shard over between the fence and the commit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -21,6 +21,7 @@ from django.db import transaction
 from django.db.models import (
     Count,
     DateTimeField,
+    DurationField,
     Exists,
     ExpressionWrapper,
     F,
@@ -79,6 +80,36 @@ class ShardDepth:
 
 
 @dataclass(frozen=True)
+class BlockedShard:
+    """A shard whose head keeps failing, with what an operator needs to act."""
+
+    shard: str
+    #: The failing message and its category ("" once the message is gone).
+    head_id: int | None
+    category: str
+    attempts: int
+    #: Seconds since the head first failed.
+    failing_seconds: float | None
+    #: Seconds until its next attempt (0 when due).
+    next_attempt_seconds: float
+    last_error: str
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """What a replay of handler dead letters did on one database."""
+
+    database: str
+    #: Dead letters written back as new messages at the end of their shards.
+    replayed: int
+    #: Dead letters left where they are: a newer message of their object waits in
+    #: their shard (their category coalesces), which would run instead of them.
+    superseded: int
+    #: Ids of the dead letters replayed.
+    ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class HandlerStats:
     """The backlog of the handler outboxes on one database."""
 
@@ -99,6 +130,12 @@ class HandlerStats:
     coalesced: dict[str, int] = field(default_factory=dict)
     dead_lettered: dict[str, int] = field(default_factory=dict)
     deepest: tuple[ShardDepth, ...] = ()
+    #: Shards due now that no processor holds (a processor would claim them next).
+    waiting: int = 0
+    #: Shards a processor holds now.
+    leased: int = 0
+    #: The shards that have failed longest (at most ``top``).
+    blocked_shards: tuple[BlockedShard, ...] = ()
 
 
 #: The shard columns of a head that is not failing.
@@ -222,13 +259,20 @@ class HandlerStore:
 
     def read(self, lease: Lease, limit: int) -> list[Row]:
         """The first ``limit`` messages of the shard, in id order."""
+        age = ExpressionWrapper(Now() - F("created_at"), output_field=DurationField())
         rows = (
             self._messages()
             .filter(shard=lease.shard)
             .order_by("id")
-            .values_list("id", "category", "object_id", "payload", "created_at")[:limit]
+            .annotate(age=age)
+            .values_list("id", "category", "object_id", "payload", "created_at", "age")[
+                :limit
+            ]
         )
-        return [Row(*row) for row in rows]
+        return [
+            Row(i, c, o, p, at, None if a is None else a.total_seconds())
+            for i, c, o, p, at, a in rows
+        ]
 
     def fence(self, lease: Lease, lease_seconds: float, **changes: Any) -> None:
         """Check the lease, extend it and apply ``changes``, inside the current transaction.
@@ -418,7 +462,124 @@ class HandlerStore:
                 c.category: c.dead_lettered for c in counters if c.dead_lettered
             },
             deepest=tuple(ShardDepth(d["shard"], d["n"]) for d in deepest),
+            waiting=shards.filter(_free(), next_attempt_at__lte=Now())
+            .exclude(shard__in=pauses.shards)
+            .count(),
+            leased=shards.exclude(_free()).count(),
+            blocked_shards=self._blocked(now, top),
         )
+
+    def _blocked(self, now: datetime, top: int) -> tuple[BlockedShard, ...]:
+        """The ``top`` shards failing longest, with their head's category."""
+        failing = list(
+            self._shards()
+            .filter(attempts__gt=0)
+            .order_by("failing_since", "id")
+            .values_list(
+                "shard",
+                "head_id",
+                "attempts",
+                "failing_since",
+                "next_attempt_at",
+                "last_error",
+            )[:top]
+        )
+        heads = [head for _, head, *_ in failing if head is not None]
+        categories = dict(
+            self._messages().filter(id__in=heads).values_list("id", "category")
+        )
+        return tuple(
+            BlockedShard(
+                shard=shard,
+                head_id=head,
+                category=categories.get(head, "") if head is not None else "",
+                attempts=attempts,
+                failing_seconds=_age(now, since),
+                next_attempt_seconds=max(0.0, (due - now).total_seconds()),
+                last_error=error,
+            )
+            for shard, head, attempts, since, due, error in failing
+        )
+
+    # -- dead letters ------------------------------------------------------------
+
+    def replay(
+        self,
+        *,
+        ids: Sequence[int] | None = None,
+        category: str | None = None,
+        shard: str | None = None,
+        coalesces: Callable[[str], bool] = lambda _category: False,
+        chunk: int = 500,
+    ) -> ReplayReport:
+        """Write dead letters back as new messages at the end of their shards.
+
+        Every dead letter matching all the given filters (None: any), in the order
+        they were first written, ``chunk`` per transaction. A replayed message runs
+        after everything its shard already holds, with fresh attempts. One whose
+        category ``coalesces`` and whose object has a newer message waiting in the
+        shard is left in the dead letters: replaying it would put the older payload
+        after the newer one.
+        """
+        dead = HandlerDeadLetter.objects.using(self.using).order_by("message_id", "id")
+        if ids is not None:
+            dead = dead.filter(id__in=list(ids))
+        if category is not None:
+            dead = dead.filter(category=category)
+        if shard is not None:
+            dead = dead.filter(shard=shard)
+        replayed: list[int] = []
+        superseded = 0
+        after: tuple[int, int] = (-1, -1)
+        while True:
+            with transaction.atomic(using=self.using):
+                page = list(
+                    dead.filter(
+                        Q(message_id__gt=after[0])
+                        | Q(message_id=after[0], id__gt=after[1])
+                    ).select_for_update()[:chunk]
+                )
+                if not page:
+                    break
+                after = (page[-1].message_id, page[-1].id)
+                kept = [
+                    d for d in page if not (coalesces(d.category) and self._newer(d))
+                ]
+                superseded += len(page) - len(kept)
+                self._write_back(kept)
+                replayed.extend(d.id for d in kept)
+        return ReplayReport(self.using, len(replayed), superseded, tuple(replayed))
+
+    def _newer(self, dead: HandlerDeadLetter) -> bool:
+        """Whether a message of the dead letter's object, written after it, waits."""
+        return bool(
+            self._messages()
+            .filter(
+                shard=dead.shard,
+                category=dead.category,
+                object_id=dead.object_id,
+                id__gt=dead.message_id,
+            )
+            .exists()
+        )
+
+    def _write_back(self, dead: Sequence[HandlerDeadLetter]) -> None:
+        """New messages for ``dead`` (in order), their shard rows, and no dead letters."""
+        if not dead:
+            return
+        # One INSERT per message keeps the ids in the dead letters' order everywhere.
+        for letter in dead:
+            self._messages().create(
+                category=letter.category,
+                shard=letter.shard,
+                object_id=letter.object_id,
+                payload=letter.payload,
+                created_at=Now(),
+            )
+        self.ensure_shards({letter.shard for letter in dead})
+        HandlerDeadLetter.objects.using(self.using).filter(
+            id__in=[letter.id for letter in dead]
+        ).delete()
 
 
 def _failing_since() -> Any:

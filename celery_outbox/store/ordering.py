@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
@@ -73,6 +74,14 @@ class BlockedHead:
     task_name: str
     last_error: str
     rows: int
+    #: Seconds since the head blocked its key (database clock); a reading, so two
+    #: reports of one head compare equal whatever their times.
+    blocked_seconds: float | None = field(default=None, compare=False)
+
+
+def blocked_since(available_at: datetime) -> datetime:
+    """When a blocked head blocked its key: blocking set it due :data:`BLOCKED_SECONDS` later."""
+    return available_at - timedelta(seconds=BLOCKED_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -337,17 +346,27 @@ class OrderingQueries(StoreBase):
 
     def blocked_heads(self) -> tuple[BlockedHead, ...]:
         """Every blocked key's head, oldest first, with how many rows its key holds."""
+        # Blocking made the head due BLOCKED_SECONDS later: its age is the block's.
+        age = self.dialect.age_seconds("h.available_at")
         with self._translated(), self.connection.cursor() as cursor:
             cursor.execute(
                 f"SELECT h.ordering_key, h.id, h.task_id, h.task_name, h.last_error, "
                 f"(SELECT COUNT(*) FROM {MESSAGE_TABLE} o WHERE o.ordering_key = "
-                f"h.ordering_key) FROM {MESSAGE_TABLE} h WHERE h.state = '{BLOCKED}' "
-                f"ORDER BY h.id",
+                f"h.ordering_key), {age} FROM {MESSAGE_TABLE} h WHERE h.state = "
+                f"'{BLOCKED}' ORDER BY h.id",
                 [],
             )
             return tuple(
-                BlockedHead(str(k), int(i), str(t), str(n), str(e), int(c))
-                for k, i, t, n, e, c in cursor.fetchall()
+                BlockedHead(
+                    str(k),
+                    int(i),
+                    str(t),
+                    str(n),
+                    str(e),
+                    int(c),
+                    None if a is None else max(0.0, float(a) + BLOCKED_SECONDS),
+                )
+                for k, i, t, n, e, c, a in cursor.fetchall()
             )
 
     def retry_head(self, key: str) -> int:
@@ -360,6 +379,10 @@ class OrderingQueries(StoreBase):
                 [key],
             )
             return int(cursor.rowcount)
+
+    def dead_letter_head(self, key: str) -> int:
+        """Move a blocked key's head to the dead letters (``skip_head``): the key goes on."""
+        return self.skip_head(key, dead_letter=True)
 
     def skip_head(self, key: str, *, dead_letter: bool = True) -> int:
         """Take a blocked key's head out (to the dead letters, or deleted): the key goes on."""

@@ -4,7 +4,12 @@
   heads, blocked keys with their head's last error, the deepest keys, the oldest head;
 * ``retry KEY``: publish the blocked head of KEY again, with fresh attempts;
 * ``skip KEY [--delete]``: move the blocked head of KEY to the dead letters (or
-  delete it) so that the rest of the key goes on.
+  delete it) so that the rest of the key goes on;
+* ``dead-letter KEY``: move the blocked head of KEY to the dead letters (``skip``
+  without ``--delete``, by its name).
+
+The admin's actions on blocked heads (:mod:`celery_outbox.ordering.admin`) call the
+same store methods.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from ...conf import get_settings
 
 
 class Command(BaseCommand):
-    help = "Ordered keys: stats, and retry or skip a blocked key's head."
+    help = "Ordered keys: stats, and retry, skip or dead-letter a blocked key's head."
 
     def add_arguments(self, parser: CommandParser) -> None:
         actions = parser.add_subparsers(dest="action", required=True)
@@ -32,6 +37,10 @@ class Command(BaseCommand):
         skip.add_argument(
             "--delete", action="store_true", help="delete it, no dead letter"
         )
+        dead = actions.add_parser(
+            "dead-letter", help="move a blocked head to the dead letters"
+        )
+        dead.add_argument("key")
 
     def handle(self, *args: Any, **options: Any) -> None:
         from ...enqueue import outbox_alias
@@ -51,7 +60,8 @@ class Command(BaseCommand):
             for head in stats.blocked:
                 self.stdout.write(
                     f"blocked {head.key}: {head.task_name}[{head.task_id}] "
-                    f"({head.rows} rows) {head.last_error[:200]}"
+                    f"({head.rows} rows, for {_age(head.blocked_seconds)}) "
+                    f"{head.last_error[:200]}"
                 )
             for depth in stats.deepest:
                 self.stdout.write(f"deep {depth.key}: {depth.rows} rows")
@@ -59,8 +69,14 @@ class Command(BaseCommand):
         key = options["key"]
         if action == "retry":
             changed = store.retry_head(key)
+        elif action == "dead-letter":
+            changed = store.dead_letter_head(key)
         else:
             changed = store.skip_head(key, dead_letter=not options["delete"])
         if not changed:
             raise CommandError(f"Key {key!r} has no blocked head.")
         self.stdout.write(f"{action}: the head of {key!r}")
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f} s"
