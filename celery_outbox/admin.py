@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import pprint
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from typing import Any, cast
 
 from django.contrib import admin, messages
@@ -24,8 +23,11 @@ from django.utils.safestring import SafeString
 from .conf import get_settings
 from .decoding import decode_arguments
 from .envelope import load_json
+from .history_admin import TaskLinks
 from .models import DeadLetter, MessageFields, OutboxMessage
+from .ordering.admin import OrderedKeysAdmin
 from .redaction import redact_arguments
+from .states import message_state
 from .store import DeadLetterFilter, OutboxStore
 
 #: Headers that repeat the arguments; the decoded (and redacted) arguments replace them.
@@ -39,22 +41,6 @@ def outbox_store() -> OutboxStore:
     from .enqueue import outbox_alias
 
     return OutboxStore(outbox_alias(get_settings()))
-
-
-def message_state(
-    lease_token: str | None, available_at: datetime, attempts: int, now: datetime
-) -> str:
-    """``due``, ``in_flight``, ``retrying`` or ``deferred`` (put back after an outage).
-
-    The same names as ``outbox stats`` (text, JSON) and the metrics use.
-    """
-    if available_at <= now:
-        return "due"
-    if lease_token:
-        return "in_flight"
-    if attempts > 0:
-        return "retrying"
-    return "deferred"
 
 
 def format_age(seconds: float | None) -> str:
@@ -244,7 +230,12 @@ _MESSAGE_FIELDS = (
 
 
 @admin.register(OutboxMessage)
-class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type-arg]
+class OutboxMessageAdmin(
+    OrderedKeysAdmin,
+    MessageAdminMixin,
+    TaskLinks,
+    admin.ModelAdmin,  # type: ignore[type-arg]
+):
     """Waiting messages: read-only, with a summary and "retry now" / "move to dead letters"."""
 
     change_list_template = "admin/celery_outbox/outboxmessage/change_list.html"
@@ -257,6 +248,7 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
         "available_at",
         "current_state",
         "short_error",
+        "related",
     )
     list_filter = (StateFilter, "queue", "task_name")
     search_fields = ("task_id", "task_name")
@@ -270,6 +262,7 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
         "content_encoding",
         "shown_headers",
         "shown_properties",
+        "related",
     )
     readonly_fields = fields
     actions = ("retry_now", "move_to_dead_letters")
@@ -345,7 +338,7 @@ class OutboxMessageAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[t
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type-arg]
+class DeadLetterAdmin(MessageAdminMixin, TaskLinks, admin.ModelAdmin):  # type: ignore[type-arg]
     """Messages that used up their attempts: read-only, with "replay" and "delete"."""
 
     list_display = (
@@ -357,6 +350,7 @@ class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type
         "created_at",
         "dead_at",
         "short_error",
+        "related",
     )
     list_filter = ("task_name", "queue", "dead_at")
     search_fields = ("task_id", "task_name")
@@ -369,6 +363,7 @@ class DeadLetterAdmin(MessageAdminMixin, admin.ModelAdmin):  # type: ignore[type
         "content_encoding",
         "shown_headers",
         "shown_properties",
+        "related",
     )
     readonly_fields = fields
     actions = ("replay", "delete_dead_letters")

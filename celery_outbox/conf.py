@@ -74,6 +74,10 @@ class OutboxSettings:
     inbox_database: str | None = None
     #: Seconds an inbox row is kept before ``celery_outbox.inbox.purge`` deletes it (7 days).
     inbox_retention: float = 7 * 86400.0
+    #: Keep each message's history (``outbox inspect``, the admin); off by default.
+    history: bool = False
+    #: Seconds a history event is kept (7 days); ``purge_dead_letters`` deletes older ones.
+    history_retention: float = 7 * 86400.0
     #: Aliases the handler processor serves; None: every alias the router lets the
     #: handler tables migrate to (``celery_outbox.handlers``).
     handler_databases: tuple[str, ...] | None = None
@@ -92,6 +96,9 @@ class OutboxSettings:
     events_archive_max_length: int = 10_000
     #: ``"classic"`` or ``"quorum"``: the type of event, retry and archive queues.
     events_queue_type: str = "classic"
+    #: Where a failed handler's retries wait: ``"broker"`` (TTL queues, RabbitMQ),
+    #: ``"database"`` (delayed outbox rows) or ``"auto"`` (broker on RabbitMQ, else database).
+    events_retries: str = "auto"
 
 
 _FIELDS = {
@@ -121,6 +128,8 @@ _FIELDS = {
     "INBOX": "inbox",
     "INBOX_DATABASE": "inbox_database",
     "INBOX_RETENTION": "inbox_retention",
+    "HISTORY": "history",
+    "HISTORY_RETENTION": "history_retention",
     "HANDLER_DATABASES": "handler_databases",
     "HANDLER_LEASE_SECONDS": "handler_lease_seconds",
     "HANDLER_RETRY_BASE_SECONDS": "handler_retry_base_seconds",
@@ -130,11 +139,13 @@ _FIELDS = {
     "EVENTS_ARCHIVE_TTL": "events_archive_ttl",
     "EVENTS_ARCHIVE_MAX_LENGTH": "events_archive_max_length",
     "EVENTS_QUEUE_TYPE": "events_queue_type",
+    "EVENTS_RETRIES": "events_retries",
 }
 
 #: The values of the string settings that take one of a few choices.
 _CHOICES = {
     "events_queue_type": ("classic", "quorum"),
+    "events_retries": ("auto", "broker", "database"),
 }
 
 #: Settings that earlier versions read and this one ignores, with what to do instead.
@@ -287,11 +298,11 @@ def _validated(field: str, value: Any) -> Any:
                 f"{PREFIX}{name} must be a finite duration such as '7d', got {value!r}."
             )
         return _retention(name, value)
-    if field == "inbox_retention":
+    if field in {"inbox_retention", "history_retention"}:
         if value is None or value == math.inf:
             raise OutboxConfigurationError(
                 f"{PREFIX}{name} must be a finite duration such as '7d', got {value!r}: "
-                f"an inbox kept forever grows without bound."
+                f"a table kept forever grows without bound."
             )
         return _retention(name, value)
     if field == "exclude_tasks":
@@ -316,6 +327,7 @@ def _validated(field: str, value: Any) -> Any:
         "prefetch",
         "log_context",
         "inbox",
+        "history",
     }:
         if not isinstance(value, bool):
             raise OutboxConfigurationError(

@@ -138,3 +138,42 @@ class DedupKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.dedup_key} -> {self.task_id}"
+
+
+class HistoryEvent(models.Model):
+    """One thing that happened to a message, kept with ``CELERY_OUTBOX_HISTORY`` on.
+
+    Written by the store in the statements that settle a batch (one INSERT for many
+    messages): ``published``, ``retrying`` (the broker refused an attempt),
+    ``blocked``, ``dead`` and ``replayed``. ``enqueued_at`` is the row's
+    ``created_at`` when the event was written, so no write is added to the enqueue.
+    Kept for ``CELERY_OUTBOX_HISTORY_RETENTION``; found by task id.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    task_id = models.CharField(max_length=255)
+    task_name = models.CharField(max_length=255)
+    event = models.CharField(max_length=16)
+    #: When it happened (database clock). Not indexed: the purge finds old rows in
+    #: id order, and every index would cost each settlement an update.
+    at = models.DateTimeField()
+    enqueued_at = models.DateTimeField()
+    #: Attempts used by the message once this event happened.
+    attempt = models.PositiveIntegerField(default=0)
+    #: The broker's reason for a refusal, a dead letter, or a replayed dead letter.
+    error = models.TextField(blank=True, default="")
+    #: The heartbeat id of the relay that wrote the event (NULL: publish-on-commit,
+    #: a command or the admin).
+    relay_id = models.CharField(max_length=32, null=True, blank=True)
+    #: ``host:pid`` of the process that wrote it.
+    process = models.CharField(max_length=255, blank=True, default="")
+
+    class Meta:
+        db_table = "celery_outbox_history"
+        verbose_name = "history event"
+        indexes = [
+            models.Index(fields=["task_id"], name="celery_outbox_history_task_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}] {self.event}"

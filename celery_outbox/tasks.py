@@ -1,6 +1,7 @@
 """Celery tasks shipped with celery-outbox.
 
-``celery_outbox.purge_dead_letters`` applies ``CELERY_OUTBOX_DEAD_LETTER_RETENTION``.
+``celery_outbox.purge_dead_letters`` applies ``CELERY_OUTBOX_DEAD_LETTER_RETENTION``
+and ``CELERY_OUTBOX_HISTORY_RETENTION``.
 Schedule it with Celery beat, for example once an hour::
 
     # settings.py
@@ -34,22 +35,37 @@ logger = logging.getLogger("celery_outbox")
 def purge_dead_letters() -> dict[str, Any]:
     """Delete dead letters older than ``CELERY_OUTBOX_DEAD_LETTER_RETENTION``.
 
-    Does nothing when the setting is unset (dead letters are kept forever). Returns
-    ``{"deleted": n, "retention_seconds": s}`` (``s`` is None when unset).
+    Keeps dead letters when the setting is unset. Returns ``{"deleted": n,
+    "retention_seconds": s}`` (``s`` is None when unset). History events older than
+    ``CELERY_OUTBOX_HISTORY_RETENTION`` are deleted too, in chunks, whether history
+    is on or not (events left from when it was on still expire); with history on,
+    or when any was deleted, the result also has ``"history_deleted": n``.
     """
     settings = get_settings()
+    store = OutboxStore(outbox_alias(settings))
+    result: dict[str, Any] = {"deleted": 0, "retention_seconds": None}
     retention = settings.dead_letter_retention
     if retention is None:
         logger.info(
             "CELERY_OUTBOX_DEAD_LETTER_RETENTION is not set: dead letters are kept"
         )
-        return {"deleted": 0, "retention_seconds": None}
-    report = OutboxStore(outbox_alias(settings)).purge_dead_letters(retention)
-    if report.deleted:
+    else:
+        report = store.purge_dead_letters(retention)
+        if report.deleted:
+            logger.info(
+                "purged %d dead letters older than %.0f s", report.deleted, retention
+            )
+        result = {"deleted": report.deleted, "retention_seconds": retention}
+    events = store.purge_history(settings.history_retention)
+    if events:
         logger.info(
-            "purged %d dead letters older than %.0f s", report.deleted, retention
+            "purged %d history events older than %.0f s",
+            events,
+            settings.history_retention,
         )
-    return {"deleted": report.deleted, "retention_seconds": retention}
+    if events or settings.history:
+        result["history_deleted"] = events
+    return result
 
 
 @shared_task(name="celery_outbox.purge_dedup_keys", ignore_result=True)

@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.db import models, transaction
 
-from .base import StoreBase
+from ..states import DEAD
 from .dialects import (
     DEAD_TABLE,
     INSERT_COLUMNS,
@@ -24,6 +24,7 @@ from .dialects import (
     MESSAGE_TABLE,
     placeholders,
 )
+from .history import HistoryLog
 from .types import (
     BacklogGroup,
     DeadLetterFilter,
@@ -43,7 +44,7 @@ logger = logging.getLogger("celery_outbox.store")
 OPERATOR_CHUNK = 500
 
 
-class OperatorQueries(StoreBase):
+class OperatorQueries(HistoryLog):
     """What operators do to the outbox and the dead letters."""
 
     # -- operators -------------------------------------------------------------
@@ -182,6 +183,7 @@ class OperatorQueries(StoreBase):
         now = self.dialect.now()
         moved: list[int] = []
         for cursor, free in self._unleased_chunks(ids):
+            self.record_outbox(cursor, DEAD, free, errors=reason)
             cursor.execute(
                 f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, "
                 f"last_error, created_at, dead_at) SELECT id, {columns}, attempts, %s, "
@@ -261,6 +263,7 @@ class OperatorQueries(StoreBase):
                         f"WHERE id IN ({placeholders(held)}) ORDER BY id",
                         held,
                     )
+                    self.record_replayed(cursor, held)
                     cursor.execute(
                         f"DELETE FROM {DEAD_TABLE} WHERE id IN ({placeholders(held)})",
                         held,

@@ -34,6 +34,7 @@ from ..exceptions import (
 )
 from ..outcomes import Action, Decision, Settlement
 from ..queues import is_spec
+from ..states import DEAD
 from .dedup import DedupKeys
 from .dialects import (
     COLUMN_LIMITS,
@@ -45,6 +46,7 @@ from .dialects import (
     placeholders,
 )
 from .held import HELD_ROWS, HeldRows
+from .history import HistoryLog
 from .notify import HINTS, remember_hint
 from .operator import OperatorQueries
 from .ordering import OrderingQueries
@@ -57,8 +59,13 @@ from .types import (
 logger = logging.getLogger("celery_outbox.store")
 
 
-class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries, OrderingQueries):
-    """The one door to the outbox tables on one database alias."""
+class OutboxStore(
+    DedupKeys, RelayRegistry, OperatorQueries, OrderingQueries, HistoryLog
+):
+    """The one door to the outbox tables on one database alias.
+
+    ``history`` writes each message's history (None: ``CELERY_OUTBOX_HISTORY``).
+    """
 
     # -- enqueue ---------------------------------------------------------------
 
@@ -176,6 +183,14 @@ class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries, OrderingQueries):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
+            if self.history:  # first: it reads the rows the statements below change
+                self.record_settlement(
+                    cursor,
+                    token,
+                    [*settlement.delete, *(d.message_id for d in settlement.hold)],
+                    [(d.message_id, d.error) for d in settlement.retry],
+                    [(d.message_id, d.error) for d in settlement.block],
+                )
             deleted = self._delete(cursor, dialect, token, settlement.delete)
             retried = self._requeue(
                 cursor, dialect, token, settlement.retry, count=True
@@ -218,10 +233,14 @@ class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries, OrderingQueries):
             return int(cursor.rowcount)
 
     def ping(self) -> None:
-        """Raise :class:`OutboxDatabaseError` unless the outbox table answers."""
+        """Raise :class:`OutboxDatabaseError` unless the outbox table answers.
+
+        With history on, :class:`OutboxConfigurationError` without its table.
+        """
         with self._translated(), self.connection.cursor() as cursor:
             cursor.execute(f"SELECT 1 FROM {MESSAGE_TABLE} WHERE 1 = 0", [])
             cursor.fetchall()
+        self.check_history()
 
     def reset_connection(self) -> None:
         """Drop a connection that failed, so the next statement reconnects."""
@@ -306,8 +325,10 @@ class OutboxStore(DedupKeys, RelayRegistry, OperatorQueries, OrderingQueries):
         if not held:
             return 0
         kept = set(held)
+        reasons = {d.message_id: d.error for d in decisions if d.message_id in kept}
+        self.record_outbox(cursor, DEAD, held, errors=reasons, used=1)
         errors_sql, errors = _case_by_id(
-            {d.message_id: d.error[:4000] for d in decisions if d.message_id in kept}
+            {row_id: error[:4000] for row_id, error in reasons.items()}
         )
         columns = ", ".join(MESSAGE_COLUMNS)
         cursor.execute(

@@ -23,7 +23,7 @@ class Command(BaseCommand):
         sub = parser.add_subparsers(
             dest="subcommand",
             required=True,
-            metavar="{relay,health,stats,replay,purge,events,handlers,handler-stats,pause,resume}",
+            metavar="{relay,health,stats,inspect,replay,purge,events,handlers,handler-stats,handler-replay,pause,resume}",
         )
         kwargs: dict[str, Any] = {"called_from_command_line": True}
         relay = sub.add_parser(
@@ -59,6 +59,14 @@ class Command(BaseCommand):
         )
         stats = sub.add_parser("stats", help="Print the outbox backlog.", **kwargs)
         _add_operator_arguments(sub, stats, kwargs)
+        inspect = sub.add_parser(
+            "inspect",
+            help="Say where a message is (waiting, in flight, retrying, dead, "
+            "published), with its history; exit 1 for an unknown task id.",
+            **kwargs,
+        )
+        inspect.add_argument("task_id", help="The task id (AsyncResult.id).")
+        inspect.add_argument("--format", choices=["text", "json"], default="text")
         from ...events.commands import add_arguments as add_events_arguments
 
         add_events_arguments(
@@ -79,6 +87,7 @@ class Command(BaseCommand):
             handler = {
                 "relay": self._relay,
                 "stats": self._stats,
+                "inspect": self._inspect,
                 "health": self._health,
                 "replay": self._replay,
                 "purge": self._purge,
@@ -167,6 +176,14 @@ class Command(BaseCommand):
             iterations=options["iterations"],
         )
         watch(_store(), request, self.stdout.write)
+
+    def _inspect(self, options: dict[str, Any]) -> None:
+        from ...inspection import InspectRequest, inspect_message
+
+        request = InspectRequest.parse(
+            task_id=options["task_id"], format=options["format"]
+        )
+        self.stdout.write(inspect_message(_store().trace(request.task_id), request))
 
     def _replay(self, options: dict[str, Any]) -> None:
         from ...operations import ReplayRequest, replay

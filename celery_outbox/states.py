@@ -1,0 +1,52 @@
+"""One name per state of a message, shared by stats, JSON, the admin, metrics and ``inspect``.
+
+A bottom module: it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+#: In the outbox, due now: the next claim may take it.
+DUE = "due"
+#: Leased to a relay, which is publishing it.
+IN_FLIGHT = "in_flight"
+#: Refused by the broker at least once; waits for its next attempt.
+RETRYING = "retrying"
+#: Put back without using an attempt (a broker outage); waits out its delay.
+DEFERRED = "deferred"
+#: A strict ordered head, published, waiting for its worker (``celery_outbox.ordering``).
+RUNNING = "running"
+#: A failed ordered head that stops its key until an operator acts.
+BLOCKED = "blocked"
+#: In the dead letters.
+DEAD = "dead"
+#: Confirmed by the broker and gone from the outbox (known from the history only).
+PUBLISHED = "published"
+
+
+def row_state(
+    *, due: bool, leased: bool, attempts: int, ordering_state: str | None = None
+) -> str:
+    """The state of an outbox row from its columns, ``due`` judged by the database clock."""
+    if ordering_state in (RUNNING, BLOCKED):
+        return ordering_state
+    if due:
+        return DUE
+    if leased:
+        return IN_FLIGHT
+    if attempts > 0:
+        return RETRYING
+    return DEFERRED
+
+
+def message_state(
+    lease_token: str | None, available_at: datetime, attempts: int, now: datetime
+) -> str:
+    """``due``, ``in_flight``, ``retrying`` or ``deferred`` (put back after an outage).
+
+    The same names as ``outbox stats`` (text, JSON) and the metrics use.
+    """
+    return row_state(
+        due=available_at <= now, leased=bool(lease_token), attempts=attempts
+    )
