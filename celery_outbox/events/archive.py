@@ -44,7 +44,9 @@ def depth(channel: Any, name: str) -> int | None:
     try:
         return int(channel.queue_declare(name, passive=True).message_count)
     except Exception as exc:
-        if getattr(exc, "code", None) == 404:
+        # py-amqp sets ``code``; kombu's virtual transports (Redis) ``reply_code``.
+        codes = {str(getattr(exc, name, "")) for name in ("code", "reply_code")}
+        if "404" in codes:
             return None
         raise
 

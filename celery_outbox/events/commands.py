@@ -4,14 +4,15 @@ the archive. Parsing lives here; the work is in :mod:`.declare` and :mod:`.archi
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from django.utils.module_loading import import_string
 
 from ..conf import get_settings
-from . import archive
+from ..progress import ProgressBar
+from . import archive, dbarchive
 from .declare import declare
+from .modes import Retries, transport_of
 from .registry import registry_of
 from .topology import ServiceTopology, describe
 
@@ -68,22 +69,35 @@ def add_arguments(parser: argparse.ArgumentParser, **kwargs: Any) -> None:
 def run(options: dict[str, Any], out: Output) -> None:
     """Run the ``events`` subcommand ``options`` describe, writing to ``out``."""
     app = _app(options.get("app"))
+    registry = registry_of(app)
     topology = (
-        registry_of(app).topology()
+        registry.topology()
         if options.get("service") is None
-        else (ServiceTopology(get_settings(), options["service"], ()))
+        else ServiceTopology(get_settings(), options["service"], (), registry.retries())
     )
     command = options["events_command"]
     if command == "show" or (command == "declare" and options.get("dry_run")):
         out.write(describe(topology.all_queues()) + "\n")
         return
+    held = topology.retries is Retries.DATABASE
+    if command == "archive" and held:
+        _held_archive(topology, options, out)
+        return
     with app.connection_for_write() as connection:
         if command == "declare":
-            declare(connection, topology.all_queues(), get_settings())
+            settings = get_settings()
+            declare(connection, topology.all_queues(), settings, topology.service)
             out.write(f"declared {len(topology.all_queues())} queues\n")
         elif command == "stats":
+            # Redis keeps no empty list: a queue there reads as missing until used.
+            unknown = "missing" if transport_of(connection) == "amqp" else "0"
             for name, ready in archive.stats(connection, topology).items():
-                out.write(f"{name}\t{'missing' if ready is None else ready}\n")
+                out.write(f"{name}\t{unknown if ready is None else ready}\n")
+            if held:
+                out.write(f"outbox: retries waiting\t{dbarchive.waiting(topology)}\n")
+                out.write(
+                    f"outbox: archived (dead letters)\t{dbarchive.count(topology)}\n"
+                )
         else:
             _archive(connection, topology, options, out)
 
@@ -98,22 +112,21 @@ def _archive(
         out.write(f"{archive.count(connection, topology)}\n")
     elif command == "list":
         for each in archive.list_archive(connection, topology, options["limit"]):
-            out.write(
-                f"{each.id}\t{each.event}\tretries={each.retries}\t{each.failed_at}\t"
-                f"{each.error}\n"
-            )
+            _write_archived(out, each)
     elif command == "purge":
         out.write(f"purged {archive.purge(connection, topology)}\n")
     else:
         if not (options["ids"] or options["event"] or options["all"]):
             raise OutboxError("Say what to replay: ids, --event GLOB or --all.")
+        bar = _progress(out)
         result = archive.replay(
             connection,
             topology,
             event=options["event"],
             ids=options["ids"],
-            on_progress=_progress(out),
+            on_progress=bar.update,
         )
+        bar.close()
         out.write(
             f"\nreplayed {result.replayed}, left {result.left} in the archive"
             + (
@@ -125,14 +138,47 @@ def _archive(
         )
 
 
-def _progress(out: Output) -> Callable[[int, int], None]:
-    def show(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        out.flush()
+def _held_archive(
+    topology: ServiceTopology, options: dict[str, Any], out: Output
+) -> None:
+    """The archive commands where the outbox's dead letters are the archive."""
+    from ..exceptions import OutboxError
 
-    return show
+    command = options["archive_command"]
+    if command == "count":
+        out.write(f"{dbarchive.count(topology)}\n")
+    elif command == "list":
+        for each in dbarchive.list_archive(topology, options["limit"]):
+            _write_archived(out, each)
+    elif command == "purge":
+        out.write(f"purged {dbarchive.purge(topology)}\n")
+    else:
+        if not (options["ids"] or options["event"] or options["all"]):
+            raise OutboxError("Say what to replay: ids, --event GLOB or --all.")
+        bar = _progress(out)
+        result = dbarchive.replay(
+            topology,
+            event=options["event"],
+            ids=options["ids"],
+            on_progress=bar.update,
+        )
+        bar.close()
+        out.write(
+            f"\nreplayed {result.replayed}, left {result.left} in the archive "
+            f"(the outbox's dead letters)\n"
+        )
+
+
+def _write_archived(out: Output, each: archive.ArchivedEvent) -> None:
+    out.write(
+        f"{each.id}\t{each.event}\tretries={each.retries}\t{each.failed_at}\t"
+        f"{each.error}\n"
+    )
+
+
+def _progress(out: Output) -> ProgressBar:
+    """A bar for an archive replay on ``out`` (tqdm; none without the extra)."""
+    return ProgressBar(out, "replaying", unit=" events")
 
 
 def _app(path: str | None) -> Any:

@@ -1,4 +1,4 @@
-"""Declaring a service's topology on the broker, with RabbitMQ's constraints checked first."""
+"""Declaring a service's topology on the broker, with the broker's constraints checked first."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kombu import Queue
 
 from ..conf import OutboxSettings
 from ..exceptions import OutboxConfigurationError
+from .modes import Retries, announce, resolve, transport_of
 
 logger = logging.getLogger("celery_outbox.events")
 
@@ -17,16 +18,12 @@ logger = logging.getLogger("celery_outbox.events")
 QUORUM_TTL_VERSION = (3, 10)
 
 
-def check_broker(connection: Any, settings: OutboxSettings) -> None:
-    """Refuse, with what to do instead, a broker that cannot hold this topology."""
-    transport = getattr(connection.transport, "driver_type", "")
-    if transport != "amqp":
-        raise OutboxConfigurationError(
-            f"Events need RabbitMQ (AMQP): broker-side retries use message TTLs and "
-            f"dead-letter exchanges, which {transport or 'this broker'} does not have. "
-            f"Use an amqp:// broker for events."
-        )
-    if settings.events_queue_type == "quorum":
+def check_broker(connection: Any, settings: OutboxSettings) -> Retries:
+    """Who holds the retries on this broker; refuses, with what to do instead, a
+    broker that cannot hold what the settings ask for."""
+    transport = transport_of(connection)
+    retries = resolve(settings.events_retries, transport)
+    if transport == "amqp" and settings.events_queue_type == "quorum":
         version = server_version(connection)
         if version is not None and version < QUORUM_TTL_VERSION:
             shown = ".".join(map(str, version))
@@ -36,6 +33,7 @@ def check_broker(connection: Any, settings: OutboxSettings) -> None:
                 f"archive's age limit need it; 3.10 or later does). Upgrade RabbitMQ "
                 f"or use 'classic'."
             )
+    return retries
 
 
 def server_version(connection: Any) -> tuple[int, ...] | None:
@@ -52,15 +50,24 @@ def server_version(connection: Any) -> tuple[int, ...] | None:
         return None
 
 
-def declare(connection: Any, queues: Sequence[Queue], settings: OutboxSettings) -> None:
+def declare(
+    connection: Any,
+    queues: Sequence[Queue],
+    settings: OutboxSettings,
+    service: str = "",
+) -> Retries:
     """Declare every queue (and its exchanges and bindings); idempotent.
+
+    Returns who holds the retries, after saying so in the log (a WARNING when the
+    broker cannot hold them and the setting left it to us to choose).
 
     A queue that exists with other arguments (say classic where quorum is asked for,
     or another retry delay) is refused by the broker: that error names the queue and
     the way out.
     """
     connection.ensure_connection(max_retries=3)
-    check_broker(connection, settings)
+    retries = check_broker(connection, settings)
+    announce(retries, transport_of(connection), settings.events_retries, service)
     channel = connection.channel()
     try:
         for queue in queues:
@@ -76,5 +83,6 @@ def declare(connection: Any, queues: Sequence[Queue], settings: OutboxSettings) 
                     f"count): delete it after draining it, or keep the old setting."
                 ) from None
     finally:
-        if channel.is_open:
+        if getattr(channel, "is_open", True):  # kombu's virtual channels lack it
             channel.close()
+    return retries

@@ -9,6 +9,9 @@ held in worker memory and the count is exact, which rejection-based routing cann
 give (a rejected message keeps its headers; only RabbitMQ's ``x-death`` counts it).
 Rejections still happen (a time limit, an error while publishing the retry): the
 queue dead-letters them into retry step 0, and their ``x-death`` count is added.
+
+Where the database holds the retries (Redis), :mod:`.held` writes the retry to the
+outbox, due later, or the event to the dead letters; see there.
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
+from celery.exceptions import Reject
 
+from . import held
+from .held import ERROR_HEADER, FAILED_AT_HEADER
+from .modes import Retries
+from .once import run_handler
 from .registry import DELIVER_TASK, EVENT_HEADER, Handler, registry_of
+from .topology import ServiceTopology, retry_delay
 
 logger = logging.getLogger("celery_outbox.events")
 
-#: Headers an archived event carries: why it failed and when.
-ERROR_HEADER = "outbox_error"
-FAILED_AT_HEADER = "outbox_failed_at"
+__all__ = ["ERROR_HEADER", "FAILED_AT_HEADER", "Decision", "Fate", "decide", "deliver"]
 
 
 class Fate(enum.Enum):
@@ -56,16 +63,19 @@ def decide(retries: int, steps: int, retryable: bool) -> Decision:
 def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
     """Body of :data:`~.registry.DELIVER_TASK`: one event, one handler of this service."""
     request = task.request
-    event = getattr(request, EVENT_HEADER, None)
+    event = event_of(request)
     registry = registry_of(task.app)
     topology = registry.topology()
     handler = registry.handler_for(event) if isinstance(event, str) else None
     if handler is None:
         # A handler removed while its queue still held events: keep them for replay.
-        _republish(
+        queue = _queue_of(request)
+        if not queue.startswith(f"{topology.prefix}:"):
+            queue = f"{topology.prefix}:{event}"
+        _archive(
             task,
-            topology.archive_exchange.name,
-            _queue_of(request),
+            topology,
+            queue,
             args,
             kwargs,
             _retries(request),
@@ -74,40 +84,86 @@ def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
         return
     queue = topology.queue_name(handler.pattern)
     try:
-        handler.task(*args, **kwargs)
+        run_handler(handler.task, topology.service, str(request.id), args, kwargs)
     except Exception as exc:
-        _after_failure(task, handler, queue, exc, args, kwargs)
+        try:
+            _after_failure(task, handler, topology, queue, exc, args, kwargs)
+        except Exception as lost:
+            if topology.retries is Retries.BROKER:
+                raise  # rejected: the queue dead-letters it into retry step 0
+            # Redis drops a message rejected without requeue: put it back instead.
+            logger.error(
+                "event %s (%s): its retry could not be written (%r); requeued",
+                event,
+                request.id,
+                lost,
+            )
+            raise Reject(lost, requeue=True) from lost
 
 
 def _after_failure(
-    task: Any, handler: Handler, queue: str, exc: Exception, args: Any, kwargs: Any
+    task: Any,
+    handler: Handler,
+    topology: ServiceTopology,
+    queue: str,
+    exc: Exception,
+    args: Any,
+    kwargs: Any,
 ) -> None:
     request = task.request
     retries = _retries(request)
     decision = decide(retries, handler.steps(), isinstance(exc, handler.retry_for))
-    topology = registry_of(task.app).topology()
     if decision.fate is Fate.RETRY:
         logger.warning(
             "event %s (%s) failed in %s, retry %d in %.0f s: %r",
-            getattr(request, EVENT_HEADER, "?"),
+            event_of(request),
             request.id,
             handler.task.name,
             retries + 1,
             2**decision.step,
             exc,
         )
+        if topology.retries is Retries.DATABASE:
+            delay = retry_delay(decision.step)
+            held.hold_retry(task, queue, args, kwargs, retries + 1, delay)
+            return
         exchange = topology.retry_exchange(decision.step).name
         _republish(task, exchange, queue, args, kwargs, retries + 1, None)
         return
     logger.error(
         "event %s (%s) failed in %s after %d retries, archived: %r",
-        getattr(request, EVENT_HEADER, "?"),
+        event_of(request),
         request.id,
         handler.task.name,
         retries,
         exc,
     )
-    _republish(task, topology.archive_name, queue, args, kwargs, retries, repr(exc))
+    _archive(task, topology, queue, args, kwargs, retries, repr(exc))
+
+
+def _archive(
+    task: Any,
+    topology: ServiceTopology,
+    queue: str,
+    args: Any,
+    kwargs: Any,
+    retries: int,
+    error: str,
+) -> None:
+    """Keep the event for replay: in the archive queue, or the outbox's dead letters."""
+    if topology.retries is Retries.DATABASE:
+        held.archive(task, queue, args, kwargs, retries, error)
+    else:
+        _republish(task, topology.archive_name, queue, args, kwargs, retries, error)
+
+
+def event_of(request: Any) -> str | None:
+    """The event's name: a request attribute from a worker, else in the headers
+    (``apply()`` keeps custom headers there only)."""
+    event = getattr(request, EVENT_HEADER, None) or (request.headers or {}).get(
+        EVENT_HEADER
+    )
+    return event if isinstance(event, str) else None
 
 
 def _retries(request: Any) -> int:
@@ -139,7 +195,7 @@ def _republish(
     original message is acked.
     """
     request = task.request
-    headers: dict[str, Any] = {EVENT_HEADER: getattr(request, EVENT_HEADER, None)}
+    headers: dict[str, Any] = {EVENT_HEADER: event_of(request)}
     if error is not None:
         headers[ERROR_HEADER] = error[:1000]
         headers[FAILED_AT_HEADER] = datetime.datetime.now(

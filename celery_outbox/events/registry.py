@@ -18,6 +18,7 @@ from typing import Any
 
 from ..conf import get_settings
 from ..exceptions import OutboxConfigurationError
+from .modes import Retries, resolve, transport_of
 from .names import check_event_name, check_pattern, check_service, matches, overlap
 from .topology import ServiceTopology, unrouted_queue
 
@@ -99,6 +100,7 @@ class Registry:
         self._app = weakref.ref(app)
         self.handlers: dict[str, Handler] = {}
         self._deliver_registered = False
+        self._retries: dict[tuple[str, str], Retries] = {}
 
     @property
     def app(self) -> Any:
@@ -112,7 +114,24 @@ class Registry:
         return check_service(self.app.main)
 
     def topology(self) -> ServiceTopology:
-        return ServiceTopology(get_settings(), self.service, tuple(self.handlers))
+        settings = get_settings()
+        return ServiceTopology(
+            settings, self.service, tuple(self.handlers), self.retries()
+        )
+
+    def transport(self) -> str:
+        """kombu's transport type of the app's broker (``amqp``, ``redis`` ...)."""
+        with self.app.connection_for_write() as connection:
+            return transport_of(connection)
+
+    def retries(self) -> Retries:
+        """Who holds this service's retries, for the current setting and broker."""
+        setting = get_settings().events_retries
+        key = (setting, str(self.app.conf.broker_url or ""))
+        found = self._retries.get(key)
+        if found is None:
+            found = self._retries[key] = resolve(setting, self.transport())
+        return found
 
     def add_handler(
         self,
@@ -142,6 +161,8 @@ class Registry:
         task_options.setdefault(
             "name", f"{function.__module__}.{function.__qualname__}"
         )
+        # A handler belongs to its service: not added to every app created later.
+        task_options.setdefault("shared", False)
         task = self.app.task(**task_options)(function)
         self.handlers[pattern] = Handler(pattern, task, max_retries, tuple(retry_for))
         self._register_deliver_task()
@@ -161,23 +182,39 @@ class Registry:
         from .delivery import deliver
 
         # Lazy (the app may not be finalized yet): the task is created on first use.
-        self.app.task(name=DELIVER_TASK, bind=True, **CONSUMER_DEFAULTS)(deliver)
+        # inbox=False: a retry is the same message (same id) again, which the inbox
+        # of the delivering task itself would skip as a duplicate. A handler's own
+        # inbox (``@app.handler(..., inbox=True)``) is applied by ``deliver``.
+        self.app.task(
+            name=DELIVER_TASK,
+            bind=True,
+            inbox=False,
+            shared=False,
+            **CONSUMER_DEFAULTS,
+        )(deliver)
         self._deliver_registered = True
 
 
-_registries: weakref.WeakKeyDictionary[Any, Registry] = weakref.WeakKeyDictionary()
+#: The attribute of an app that holds its :class:`Registry`. On the app itself, not in
+#: a weak-keyed mapping: the registry's handler tasks refer to the app, and a mapping
+#: value that refers to its own key keeps it alive for good.
+_ATTRIBUTE = "_celery_outbox_events"
+_apps: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def registry_of(app: Any) -> Registry:
     """The :class:`Registry` of ``app`` (created on first use)."""
-    registry = _registries.get(app)
+    registry: Registry | None = getattr(app, _ATTRIBUTE, None)
     if registry is None:
-        registry = _registries[app] = Registry(app)
+        registry = Registry(app)
+        setattr(app, _ATTRIBUTE, registry)
+        _apps.add(app)
     return registry
 
 
 def _refuse_shared_service(registry: Registry, service: str) -> None:
-    for other_app, other in list(_registries.items()):
+    for other_app in list(_apps):
+        other = registry_of(other_app)
         if other is not registry and other.handlers and other_app.main == service:
             raise OutboxConfigurationError(
                 f"Two apps with handlers are both named {service!r}: they would share "

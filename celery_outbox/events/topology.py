@@ -14,6 +14,11 @@ cannot hold, so no event queue can take the name of a retry queue)::
                                E:S:recover keeping the routing key (the queue name)
     E:S:recover       direct   routes a retried event back to its queue only
     E:S:archive       fanout + queue, x-message-ttl and x-max-length
+
+When the database holds the retries (Redis, or ``CELERY_OUTBOX_EVENTS_RETRIES =
+"database"``) a service has its event queues only: no arguments, bound to E by
+their pattern. A retry is an outbox row sent to the queue by name (the default
+exchange), the archive is the outbox's dead letters.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from kombu import Exchange, Queue, binding
 
 from ..conf import OutboxSettings
+from .modes import Retries
 
 #: Retry step ``n`` holds a message ``RETRY_UNIT_MS * 2**n`` milliseconds.
 RETRY_UNIT_MS = 1000
@@ -71,6 +77,8 @@ class ServiceTopology:
     settings: OutboxSettings
     service: str
     patterns: tuple[str, ...]
+    #: Who holds the retries: the broker (TTL queues, an archive queue) or the database.
+    retries: Retries = Retries.BROKER
 
     @property
     def prefix(self) -> str:
@@ -98,6 +106,13 @@ class ServiceTopology:
     def event_queue(self, pattern: str) -> Queue:
         """The queue a handler consumes: events matching ``pattern``, and its retries."""
         name = self.queue_name(pattern)
+        if self.retries is Retries.DATABASE:
+            return Queue(
+                name,
+                durable=True,
+                queue_arguments=self._typed({}) or None,
+                bindings=[binding(events_exchange(self.settings), routing_key=pattern)],
+            )
         arguments = self._typed(
             {
                 "x-dead-letter-exchange": self.retry_exchange(0).name,
@@ -159,7 +174,10 @@ class ServiceTopology:
         return [self.event_queue(pattern) for pattern in self.patterns]
 
     def support_queues(self) -> list[Queue]:
-        """Retry steps and the archive (shared by all the service's handlers)."""
+        """Retry steps and the archive (shared by all the service's handlers); none
+        when the database holds the retries."""
+        if self.retries is Retries.DATABASE:
+            return []
         steps = [self.retry_queue(n) for n in range(self.settings.events_max_retries)]
         return [*steps, self.archive_queue()]
 

@@ -24,7 +24,7 @@ def prepare_worker(app: Any) -> list[str]:
         return []
     topology = registry.topology()
     with app.connection_for_write() as connection:
-        declare(connection, topology.all_queues(), get_settings())
+        declare(connection, topology.all_queues(), get_settings(), topology.service)
     for pattern in topology.patterns:
         app.amqp.queues.select_add(topology.consumed_queue(pattern))
     names = [queue.name for queue in topology.event_queues()]

@@ -1,7 +1,9 @@
-"""Events end to end: a real relay, real workers of several services, RabbitMQ.
+"""Events end to end: a real relay, real workers of several services, on RabbitMQ
+and on Redis.
 
 Each service is its own Celery app (``tests/events_project``) with its own worker;
-handlers record what they ran in Redis. Retry steps are 1, 2 and 4 s.
+handlers record what they ran in Redis (db 13). Retry steps are 1, 2 and 4 s: held by
+RabbitMQ's TTL queues there, by delayed outbox rows on Redis.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ from kombu import Connection
 from celery_outbox.conf import get_settings
 from celery_outbox.events import archive
 from celery_outbox.events.topology import ServiceTopology
-from celery_outbox.models import OutboxMessage
+from celery_outbox.models import DeadLetter, OutboxMessage
 from tests.events_project.record import URL as RECORD_URL
+from tests.project.shop.models import TaskRun
 
 from ..integration.test_events import delete_topology, order_created_fixture  # noqa: F401
-from .conftest import BROKER_AMQP, REPO_ROOT, Proc, Stack, wait_until
+from .conftest import BROKER_AMQP, BROKER_REDIS, REPO_ROOT, Proc, Stack, wait_until
 
 STEPS = 3
-SERVICES = ["billing", "shipping", "audit"]
+SERVICES = ["billing", "shipping", "audit", "ledger"]
 
 
 class Events:
@@ -43,6 +46,7 @@ class Events:
     def __init__(self, stack: Stack, exchange: str) -> None:
         self.stack = stack
         self.exchange = exchange
+        self.on_redis = stack.broker.startswith("redis://")
         self.redis = redis.Redis.from_url(RECORD_URL)
         stack.env.update(
             DJANGO_SETTINGS_MODULE="tests.events_project.settings",
@@ -68,22 +72,46 @@ class Events:
         rows = [json.loads(item) for item in raw]
         return [row for row in rows if row["phase"] == phase]
 
+    def set_failures(self, service: str, count: int) -> None:
+        self.redis.set(f"{self.exchange}:{service}:handled:failures", count)
+
     def set_flag(self, service: str, name: str, on: bool) -> None:
         key = f"{self.exchange}:{service}:handled:{name}"
         self.redis.set(key, 1) if on else self.redis.delete(key)
 
     def command(self, *args: str) -> str:
+        return self.outbox("events", *args)
+
+    def outbox(self, *args: str) -> str:
         done = subprocess.run(
-            [sys.executable, "manage.py", "outbox", "events", *args],
+            [sys.executable, "manage.py", "outbox", *args],
             cwd=REPO_ROOT, env=self.stack.env, capture_output=True, text=True,
             timeout=120,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr + done.stdout
         return done.stdout
 
+    def archived(self, topology: ServiceTopology) -> int:
+        """Events in the service's archive: its archive queue, or on Redis the
+        outbox's dead letters routed to its queues."""
+        if self.on_redis:
+            prefix = f"{topology.prefix}:"
+            return int(
+                DeadLetter.objects.filter(routing_key__startswith=prefix).count()
+            )
+        with Connection(BROKER_AMQP, connect_timeout=5) as connection:
+            return int(archive.count(connection, topology))
+
     def cleanup(self) -> None:
         for key in self.redis.scan_iter(f"{self.exchange}:*"):
             self.redis.delete(key)
+        if self.on_redis:
+            broker = redis.Redis.from_url(BROKER_REDIS)
+            for pattern in (f"{self.exchange}*", f"_kombu.binding*{self.exchange}*"):
+                for key in broker.scan_iter(pattern):
+                    broker.delete(key)
+            broker.close()
+            return
         delete_topology(self.exchange, SERVICES, STEPS)
         with Connection(BROKER_AMQP, connect_timeout=5) as connection:
             channel = connection.channel()
@@ -94,12 +122,23 @@ class Events:
 
 
 @pytest.fixture
-def events(e2e: Callable[..., Stack]) -> Iterator[Events]:
+def broker() -> str:
+    """The broker of the stack; tests that run on both parametrize it."""
+    return BROKER_AMQP
+
+
+BOTH_BROKERS = pytest.mark.parametrize(
+    "broker", [BROKER_AMQP, BROKER_REDIS], ids=["rabbitmq", "redis"]
+)
+
+
+@pytest.fixture
+def events(e2e: Callable[..., Stack], broker: str) -> Iterator[Events]:
     exchange = f"test-events-{uuid.uuid4().hex[:8]}"
     with override_settings(
         CELERY_OUTBOX_EVENTS_EXCHANGE=exchange, CELERY_OUTBOX_EVENTS_MAX_RETRIES=STEPS
     ):
-        stack = e2e()
+        stack = e2e(broker=broker)
         helper = Events(stack, exchange)
         try:
             yield helper
@@ -120,6 +159,7 @@ def fire(event: Any, numbers: range, rollback_every: int = 0) -> set[int]:
     return committed
 
 
+@BOTH_BROKERS
 def test_two_services_each_handle_every_committed_event_once(
     events: Events, order_created: Any
 ) -> None:
@@ -144,7 +184,7 @@ def test_two_services_each_handle_every_committed_event_once(
         numbers = [row["payload"] for row in events.records(service, "done")]
         assert sorted(numbers) == sorted(committed), service
     print(
-        f"\nfired 1000 (800 committed) in {fired - started:.1f} s; relay published "
+        f"\n{'redis' if events.on_redis else 'rabbitmq'}: fired 1000 (800 committed) in {fired - started:.1f} s; relay published "
         f"all by {drained - started:.1f} s; both services "
         f"handled all in {handled - started:.1f} s "
         f"({1600 / (handled - started):.0f} handled/s end to end)"
@@ -160,7 +200,8 @@ def test_two_services_each_handle_every_committed_event_once(
     events.stack.assert_alive()
 
 
-def test_failing_handler_is_retried_on_the_broker_then_archived_and_replayed(
+@BOTH_BROKERS
+def test_failing_handler_is_retried_at_1_2_4_s_then_archived_and_replayed(
     events: Events, order_created: Any
 ) -> None:
     events.set_flag("billing", "fail", True)
@@ -168,15 +209,19 @@ def test_failing_handler_is_retried_on_the_broker_then_archived_and_replayed(
     events.stack.start_relay()
     fire(order_created, range(1, 2))
     topology = ServiceTopology(get_settings(), "billing", ("order.*",))
-    with Connection(BROKER_AMQP, connect_timeout=5) as connection:
-        wait_until(
-            lambda: archive.count(connection, topology) == 1, 60, "the archived event",
-            lambda: str(events.records("billing", "start")),
-        )  # fmt: skip
+    wait_until(
+        lambda: events.archived(topology) == 1, 60, "the archived event",
+        lambda: str(events.records("billing", "start")),
+    )  # fmt: skip
     starts = [row["at"] for row in events.records("billing", "start")]
     assert len(starts) == 1 + STEPS
     delays = [later - earlier for earlier, later in itertools.pairwise(starts)]
-    print(f"\nretry delays {[round(d, 2) for d in delays]} for steps 1, 2, 4 s")
+    errors = [delay - 2**step for step, delay in enumerate(delays)]
+    print(
+        f"\n{'redis' if events.on_redis else 'rabbitmq'}: retry delays "
+        f"{[round(d, 2) for d in delays]} for steps 1, 2, 4 s "
+        f"(errors {[round(e, 3) for e in errors]} s)"
+    )
     for step, delay in enumerate(delays):
         expected = 2**step
         assert abs(delay - expected) <= max(0.1 * expected, 0.5), delays
@@ -184,10 +229,14 @@ def test_failing_handler_is_retried_on_the_broker_then_archived_and_replayed(
         "--app", "tests.events_project.billing.app", "archive", "list"
     )
     events.set_flag("billing", "fail", False)  # the fix is deployed
-    out = events.command(
-        "--app", "tests.events_project.billing.app", "archive", "replay", "--all"
-    )
-    assert "replayed 1" in out
+    if events.on_redis:
+        # The archive is the outbox's dead letters: the usual replay reaches it.
+        out = events.outbox("replay", "--task", "celery_outbox.events.deliver")
+    else:
+        out = events.command(
+            "--app", "tests.events_project.billing.app", "archive", "replay", "--all"
+        )
+    assert "replayed 1" in out.lower(), out
     wait_until(lambda: len(events.records("billing", "done")) == 1, 30, "the replay")
     time.sleep(1.5)
     assert [row["payload"] for row in events.records("billing", "done")] == [1]
@@ -214,3 +263,34 @@ def test_a_worker_killed_mid_handler_gets_the_event_again(
     events.start_service("shipping")
     wait_until(lambda: len(events.records("shipping", "done")) == 1, 60, "redelivery")
     assert [row["payload"] for row in events.records("shipping", "done")] == [42]
+
+
+@BOTH_BROKERS
+def test_a_handler_with_the_inbox_has_one_effect_per_event(
+    events: Events, order_created: Any
+) -> None:
+    """The same event published twice: one effect. Failing twice, then succeeding:
+    one effect (each failure rolled back its write with the inbox row)."""
+    events.set_failures("ledger", 0)
+    ledger = events.start_service("ledger")
+    fire(order_created, range(7, 8))
+    (row,) = OutboxMessage.objects.all()
+    row.pk = None  # a second row of the same message: a duplicate publish
+    row.save()
+    events.stack.start_relay()
+    wait_until(lambda: len(events.records("ledger", "done")) == 1, 60, "event 7")
+    wait_until(lambda: not OutboxMessage.objects.exists(), 30, "both copies sent")
+    time.sleep(2)  # the second copy is consumed (and skipped) by now
+    assert TaskRun.objects.filter(tag="ledger", task_id="7").count() == 1
+    assert len(events.records("ledger", "start")) == 1
+    assert "already handled event" in ledger.output()  # the copy came, was skipped
+    events.set_failures("ledger", 2)
+    fire(order_created, range(8, 9))
+    wait_until(
+        lambda: len(events.records("ledger", "done")) == 2, 60, "event 8",
+        lambda: str(events.records("ledger", "start")),
+    )  # fmt: skip
+    time.sleep(1)
+    starts = [r for r in events.records("ledger", "start") if r["payload"] == 8]
+    assert len(starts) == 3
+    assert TaskRun.objects.filter(tag="ledger", task_id="8").count() == 1

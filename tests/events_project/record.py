@@ -30,3 +30,9 @@ def record(service: str, event: str, payload: Any, **extra: Any) -> None:
 
 def flag(service: str, name: str) -> bool:
     return bool(client().exists(f"{key(service)}:{name}"))
+
+
+def fail_now(service: str) -> bool:
+    """Whether to fail this call: True while the service's ``failures`` count, set by
+    the test, has calls left (each call takes one)."""
+    return int(client().decr(f"{key(service)}:failures")) >= 0

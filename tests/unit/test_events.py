@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from celery import Celery
 
 from celery_outbox import OutboxCelery
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.events.delivery import Decision, Fate, decide
+from celery_outbox.events.modes import Retries
 from celery_outbox.events.names import check_event_name, check_service, matches, overlap
 from celery_outbox.events.registry import registry_of
 from celery_outbox.events.topology import ServiceTopology, retry_delay
@@ -142,12 +145,77 @@ class _Connection:
         self.connection = type("Raw", (), {"server_properties": {"version": version}})
 
 
-def test_a_broker_without_dead_letter_exchanges_is_refused() -> None:
+def test_retries_are_held_by_the_broker_on_rabbitmq_and_by_the_database_elsewhere() -> (
+    None
+):
     from celery_outbox.events.declare import check_broker
 
+    assert check_broker(_Connection("amqp"), OutboxSettings()) is Retries.BROKER
+    assert check_broker(_Connection("redis"), OutboxSettings()) is Retries.DATABASE
+    held = OutboxSettings(events_retries="database")
+    assert check_broker(_Connection("amqp"), held) is Retries.DATABASE
+    assert check_broker(_Connection("redis"), held) is Retries.DATABASE
+    broker = OutboxSettings(events_retries="broker")
+    assert check_broker(_Connection("amqp"), broker) is Retries.BROKER
     with pytest.raises(OutboxConfigurationError, match="dead-letter exchanges"):
-        check_broker(_Connection("redis"), OutboxSettings())
-    check_broker(_Connection("amqp"), OutboxSettings())
+        check_broker(_Connection("redis"), broker)
+
+
+def test_auto_on_redis_warns_at_start_and_an_explicit_choice_does_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from celery_outbox.events.modes import announce
+
+    with caplog.at_level(logging.INFO, logger="celery_outbox.events"):
+        announce(Retries.DATABASE, "redis", "auto", "billing")
+        announce(Retries.DATABASE, "redis", "database", "billing")
+        announce(Retries.BROKER, "amqp", "auto", "billing")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "broker-side retries are not available" in warnings[0].getMessage()
+    assert "billing" in warnings[0].getMessage()
+
+
+def test_a_service_whose_database_holds_the_retries_has_plain_event_queues() -> None:
+    settings = OutboxSettings(events_exchange="ev", events_max_retries=3)
+    topology = ServiceTopology(settings, "billing", ("order.*",), Retries.DATABASE)
+    assert topology.support_queues() == []
+    queue = topology.event_queue("order.*")
+    assert queue.name == "ev:billing:order.*"
+    assert not queue.queue_arguments
+    assert [(b.exchange.name, b.routing_key) for b in queue.bindings] == [
+        ("ev", "order.*")
+    ]
+    assert [q.name for q in topology.all_queues()] == [
+        "ev:unrouted",
+        "ev:billing:order.*",
+    ]
+
+
+def test_the_retries_setting_is_validated() -> None:
+    from celery_outbox.conf import load_settings
+
+    class Bad:
+        CELERY_OUTBOX_EVENTS_RETRIES = "redis"
+
+    with pytest.raises(OutboxConfigurationError, match="EVENTS_RETRIES"):
+        load_settings(Bad)
+
+
+def test_a_handler_inbox_key_is_per_service_and_handler() -> None:
+    from celery_outbox.events.once import inbox_name, uses_inbox
+
+    assert inbox_name("billing", "b.on_order") != inbox_name("audit", "b.on_order")
+    app = OutboxCelery("inbox-flag-service", set_as_current=False)
+
+    def once() -> None: ...
+
+    def plain() -> None: ...
+
+    with_inbox = app.handler("a.b", inbox=True)(once)
+    without = app.handler("c.d")(plain)
+    assert uses_inbox(with_inbox) is True
+    assert uses_inbox(without) is False
 
 
 def test_quorum_queues_need_a_rabbitmq_that_honours_their_ttl() -> None:

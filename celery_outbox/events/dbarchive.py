@@ -1,0 +1,89 @@
+"""A service's archive when the database holds its retries: the outbox's dead letters
+routed to the service's queues. Same answers as :mod:`.archive` gives for RabbitMQ's
+archive queue; ``outbox replay`` and ``outbox purge`` reach the same rows."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+
+from ..conf import get_settings
+from ..enqueue import outbox_alias
+from ..store import DeadLetterFilter, OutboxStore
+from ..store.events import DeadEvent, EventRows
+from .archive import ArchivedEvent, ReplayResult
+from .held import ERROR_HEADER, RETRIES_HEADER
+from .registry import EVENT_HEADER
+from .topology import ServiceTopology
+
+
+def _rows() -> EventRows:
+    return EventRows(outbox_alias(get_settings()))
+
+
+def _prefix(topology: ServiceTopology) -> str:
+    return f"{topology.prefix}:"
+
+
+def count(topology: ServiceTopology) -> int:
+    """Archived events of the service."""
+    return _rows().count_dead_events(_prefix(topology))
+
+
+def waiting(topology: ServiceTopology) -> int:
+    """Retries of the service waiting in the outbox (due later, or being published)."""
+    return _rows().waiting_retries(_prefix(topology))
+
+
+def list_archive(topology: ServiceTopology, limit: int = 100) -> list[ArchivedEvent]:
+    """Up to ``limit`` archived events, oldest first."""
+    return [_describe(row) for row in _rows().dead_events(_prefix(topology), limit)]
+
+
+def replay(
+    topology: ServiceTopology,
+    *,
+    event: str | None = None,
+    ids: Sequence[str] = (),
+    on_progress: Callable[[int, int], None] = lambda done, total: None,
+) -> ReplayResult:
+    """Put selected archived events back into the outbox, due now, each for its
+    handler's queue (their retry count starts again at 0)."""
+    wanted = set(ids)
+    rows = _rows().dead_events(_prefix(topology))
+    chosen = [
+        row.row_id
+        for row in rows
+        if (not wanted or row.task_id in wanted)
+        and (event is None or fnmatch.fnmatchcase(_event(row), event))
+    ]
+    if not chosen:
+        return ReplayResult(0, len(rows), 0)
+    store = OutboxStore(outbox_alias(get_settings()))
+    report = store.replay_dead_letters(
+        DeadLetterFilter(ids=tuple(chosen)),
+        progress=lambda done, total: on_progress(done, total),
+    )
+    return ReplayResult(report.replayed, len(rows) - report.replayed, 0)
+
+
+def purge(topology: ServiceTopology) -> int:
+    """Delete every archived event of the service; returns how many there were."""
+    rows = _rows().dead_events(_prefix(topology))
+    store = OutboxStore(outbox_alias(get_settings()))
+    return len(store.delete_dead_letters([row.row_id for row in rows]))
+
+
+def _event(row: DeadEvent) -> str:
+    return str(row.headers.get(EVENT_HEADER, ""))
+
+
+def _describe(row: DeadEvent) -> ArchivedEvent:
+    return ArchivedEvent(
+        id=row.task_id,
+        event=_event(row),
+        queue=row.routing_key,
+        retries=int(row.headers.get(RETRIES_HEADER) or 0),
+        error=str(row.headers.get(ERROR_HEADER, row.last_error)),
+        failed_at=row.dead_at.isoformat(),
+    )
