@@ -1,4 +1,5 @@
-"""The benchmark driver: enqueue cost, drain rate, commit-to-queue latency, raw limits.
+"""The benchmark driver: enqueue cost, drain rate, commit-to-queue latency, raw limits,
+the inbox's cost per task.
 
 Every figure is the median of several repeats (the machine is shared and noisy).
 Every loop is bounded by a count and a deadline; every service is on loopback.
@@ -95,6 +96,14 @@ class Report:
     #: (broker, the relay's own code used) -> drain rate, and its samples.
     library: dict[tuple[str, bool], float] = field(default_factory=dict)
     library_samples: dict[tuple[str, bool], list[float]] = field(default_factory=dict)
+    #: The inbox part's table (bench.inbox), rendered by that module.
+    inbox: str = ""
+    #: The events part's table (bench.events), rendered by that module.
+    events: str = ""
+    #: The history part's table (bench.history), rendered by that module.
+    history: str = ""
+    #: The keyed drain's table (bench.ordering), rendered by that module.
+    keyed: str = ""
     sizes: Sizes | None = None
 
 
@@ -1069,6 +1078,18 @@ def render(report: Report, only: str | None) -> str:
         }
         for name, rate in report.raw.items():
             add(f"  {labels[name]:<44} {rate:>10,.0f} /s")
+    if report.inbox:
+        add("")
+        add(report.inbox)
+    if report.events:
+        add("")
+        add(report.events)
+    if report.history:
+        add("")
+        add(report.history)
+    if report.keyed:
+        add("")
+        add(report.keyed)
     return "\n".join(out)
 
 
@@ -1090,7 +1111,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["enqueue", "drain", "latency", "raw", "library", "profile"],
+        choices=[
+            "enqueue",
+            "drain",
+            "latency",
+            "raw",
+            "inbox",
+            "events",
+            "history",
+            "keyed",
+            "library",
+            "profile",
+        ],
         help=(
             "run one part (library: the drain with and without the relay's own "
             "publishing code; profile: cProfile of an in-process drain; neither is "
@@ -1111,12 +1143,16 @@ def main(argv: list[str] | None = None) -> int:
     prepare()
     report = Report(sizes=sizes)
     brokers = Brokers()
-    parts = ["raw", "enqueue", "drain", "latency"] if args.only is None else [args.only]
+    parts = (
+        ["raw", "enqueue", "drain", "latency", "inbox", "events", "keyed"]
+        if args.only is None
+        else [args.only]
+    )
     try:
         report.machine = machine_info(brokers)
         print(render(report, args.only), flush=True)
         envelopes: list[Any] = []
-        if {"raw", "drain", "library", "profile"} & set(parts):
+        if {"raw", "drain", "library", "profile", "history", "keyed"} & set(parts):
             envelopes = capture_envelopes(max(sizes.drain_rows, sizes.raw_n))
         for part in parts:
             started = time.monotonic()
@@ -1130,6 +1166,22 @@ def main(argv: list[str] | None = None) -> int:
                 bench_raw(report, sizes, brokers, envelopes)
             elif part == "library":
                 bench_library(report, sizes, brokers, envelopes)
+            elif part == "inbox":
+                from bench.inbox import bench_inbox  # imports this module
+
+                report.inbox = bench_inbox(args.quick, args.repeats)
+            elif part == "events":
+                from bench.events import bench_events  # imports this module
+
+                report.events = bench_events(args.quick, args.repeats)
+            elif part == "history":
+                from bench.history import bench_history  # imports this module
+
+                report.history = bench_history(sizes, brokers, envelopes)
+            elif part == "keyed":
+                from bench.ordering import bench_keyed  # imports this module
+
+                report.keyed = bench_keyed(sizes, brokers, envelopes)
             elif part == "profile":
                 for kind in ("amqp", "redis"):
                     print(profile_drain(kind, envelopes, brokers), flush=True)
