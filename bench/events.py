@@ -183,7 +183,7 @@ def _forget(app: Any, kind: str, exchange: str, topologies: list[Any]) -> None:
 def _render(results: dict[str, BrokerResult], sizes: EventSizes) -> str:
     labels = {"amqp": "RabbitMQ", "redis": "Redis"}
     lines = [
-        f"Events to two services ({sizes.events:,} fired per repeat, "
+        f"7. events to two services ({sizes.events:,} fired per repeat, "
         f"{sizes.repeats} repeat(s), medians)",
         f"  {'broker':<10} {'fire (µs/event)':>16} {'relay drain (events/s)':>24} "
         f"{'copies/s':>10}",

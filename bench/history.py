@@ -95,7 +95,7 @@ def bench_history(sizes: Sizes, brokers: Brokers, envelopes: Sequence[Any]) -> s
     paired = statistics.median([a / b for a, b in pairs])
     return "\n".join(
         [
-            f"6. history: one relay, {len(rows):,} rows -> RabbitMQ, confirms on, "
+            f"8. history: one relay, {len(rows):,} rows -> RabbitMQ, confirms on, "
             f"tasks/s, median of {rounds} rounds taking turns",
             f"  history off {off:>10,.0f} /s   samples "
             + ", ".join(f"{s:,.0f}" for s in samples[False]),

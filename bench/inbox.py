@@ -295,7 +295,7 @@ def run_child(vendor: str, sizes: InboxSizes) -> VendorResult:
 
 def render(results: list[VendorResult], sizes: InboxSizes) -> str:
     out = [
-        f"inbox: one task run by Task.apply (eager, no broker), µs per task, median "
+        f"6. inbox: one task run by Task.apply (eager, no broker), µs per task, median "
         f"of {sizes.rounds} rounds of {sizes.per_round} runs taking turns",
         f"  {'':<12}" + "".join(f" {v:>11}" for v in VARIANTS) + "   statements",
     ]

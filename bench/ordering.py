@@ -64,7 +64,7 @@ def bench_keyed(sizes: Any, brokers: Any, envelopes: Sequence[Any]) -> str:
     truncate()
     rates = {name: statistics.median(values) for name, values in samples.items()}
     lines = [
-        f"7. keyed drain: {sizes.drain_rows:,} rows -> RabbitMQ, one relay, confirms "
+        f"9. keyed drain: {sizes.drain_rows:,} rows -> RabbitMQ, one relay, confirms "
         f"on, tasks/s, median of {sizes.drain_repeats}; share of unkeyed (target >= 50 %)"
     ]
     for name, rate in rates.items():
