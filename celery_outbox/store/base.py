@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from django.db import DatabaseError, InterfaceError, connections
+from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ..exceptions import OutboxConfigurationError, OutboxDatabaseError
@@ -44,6 +45,41 @@ class StoreBase:
                 found = dialect_for(connection)
             connection.__dict__[_DIALECT] = found
         return found
+
+    def _for_update(self) -> str:
+        """`` FOR UPDATE`` where the vendor has row locks (SQLite has one writer)."""
+        connection = self.connection
+        if not connection.features.has_select_for_update:
+            return ""
+        return " " + str(connection.ops.for_update_sql())
+
+    def _delete_in_chunks(
+        self,
+        select: str,
+        params: Sequence[Any],
+        delete: Callable[[list[Any]], tuple[str, Sequence[Any]]],
+        chunk_size: int,
+    ) -> int:
+        """Delete in chunks, each in a transaction of its own; how many rows went.
+
+        ``select`` (its last placeholder: the chunk size) finds a chunk's keys,
+        ``delete(keys)`` gives the statement that deletes them; a chunk shorter than
+        ``chunk_size`` is the last.
+        """
+        deleted = 0
+        while True:
+            with (
+                self._translated(),
+                transaction.atomic(using=self.alias),
+                self.connection.cursor() as cursor,
+            ):
+                cursor.execute(select, [*params, chunk_size])
+                keys = [row[0] for row in cursor.fetchall()]
+                if keys:
+                    cursor.execute(*delete(keys))
+                    deleted += int(cursor.rowcount)
+            if len(keys) < chunk_size:
+                return deleted
 
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:

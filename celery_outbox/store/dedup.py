@@ -64,7 +64,7 @@ class DedupKeys(StoreBase):
                 cursor.execute(
                     f"SELECT task_id, CASE WHEN held_until > {dialect.now()} THEN 1 "
                     f"ELSE 0 END FROM {DEDUP_TABLE} WHERE dedup_key = %s"
-                    f"{self._lock_suffix()}",
+                    f"{self._for_update()}",
                     [key],
                 )
                 holder, in_window = cursor.fetchone()
@@ -85,35 +85,18 @@ class DedupKeys(StoreBase):
     def purge_dedup_keys(self, chunk_size: int = 1000) -> int:
         """Delete keys no task holds any more (published, window over); how many."""
         dialect = self.dialect
-        deleted = 0
-        while True:
-            with (
-                self._translated(),
-                transaction.atomic(using=self.alias),
-                self.connection.cursor() as cursor,
-            ):
-                cursor.execute(
-                    f"SELECT d.dedup_key FROM {DEDUP_TABLE} d "
-                    f"WHERE d.held_until <= {dialect.now()} AND NOT EXISTS "
-                    f"(SELECT 1 FROM {MESSAGE_TABLE} m WHERE m.task_id = d.task_id) "
-                    f"LIMIT %s",
-                    [chunk_size],
-                )
-                keys = [row[0] for row in cursor.fetchall()]
-                if keys:
-                    cursor.execute(
-                        f"DELETE FROM {DEDUP_TABLE} WHERE dedup_key IN "
-                        f"({', '.join(['%s'] * len(keys))}) AND held_until <= "
-                        f"{dialect.now()} AND NOT EXISTS (SELECT 1 FROM {MESSAGE_TABLE} m "
-                        f"WHERE m.task_id = {DEDUP_TABLE}.task_id)",
-                        keys,
-                    )
-                    deleted += int(cursor.rowcount)
-            if len(keys) < chunk_size:
-                return deleted
-
-    def _lock_suffix(self) -> str:
-        connection = self.connection
-        if not connection.features.has_select_for_update:
-            return ""
-        return " " + str(connection.ops.for_update_sql())
+        return self._delete_in_chunks(
+            f"SELECT d.dedup_key FROM {DEDUP_TABLE} d "
+            f"WHERE d.held_until <= {dialect.now()} AND NOT EXISTS "
+            f"(SELECT 1 FROM {MESSAGE_TABLE} m WHERE m.task_id = d.task_id) "
+            f"LIMIT %s",
+            [],
+            lambda keys: (
+                f"DELETE FROM {DEDUP_TABLE} WHERE dedup_key IN "
+                f"({', '.join(['%s'] * len(keys))}) AND held_until <= "
+                f"{dialect.now()} AND NOT EXISTS (SELECT 1 FROM {MESSAGE_TABLE} m "
+                f"WHERE m.task_id = {DEDUP_TABLE}.task_id)",
+                keys,
+            ),
+            chunk_size,
+        )

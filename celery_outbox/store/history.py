@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
 from django.db.models.expressions import RawSQL
 
 from ..conf import get_settings
@@ -331,28 +330,15 @@ class HistoryLog(StoreBase):
             young = cursor.fetchone()
         bound = "" if young is None else " AND id < %s"
         bound_params = [] if young is None else [int(young[0])]
-        deleted = 0
-        while True:
-            with (
-                self._translated(),
-                transaction.atomic(using=self.alias),
-                self.connection.cursor() as cursor,
-            ):
-                cursor.execute(
-                    f"SELECT id FROM {HISTORY_TABLE} WHERE at < %s{bound} "
-                    f"ORDER BY id LIMIT %s",
-                    [cutoff, *bound_params, chunk_size],
-                )
-                ids = [int(row[0]) for row in cursor.fetchall()]
-                if ids:
-                    cursor.execute(
-                        f"DELETE FROM {HISTORY_TABLE} WHERE id >= %s AND id <= %s "
-                        f"AND at < %s",
-                        [ids[0], ids[-1], cutoff],
-                    )
-                    deleted += int(cursor.rowcount)
-            if len(ids) < chunk_size:
-                return deleted
+        return self._delete_in_chunks(
+            f"SELECT id FROM {HISTORY_TABLE} WHERE at < %s{bound} ORDER BY id LIMIT %s",
+            [cutoff, *bound_params],
+            lambda ids: (
+                f"DELETE FROM {HISTORY_TABLE} WHERE id >= %s AND id <= %s AND at < %s",
+                [min(ids), max(ids), cutoff],
+            ),
+            chunk_size,
+        )
 
 
 def _reasons(errors: Mapping[int, str] | str) -> tuple[str, list[Any]]:

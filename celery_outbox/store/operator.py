@@ -309,26 +309,15 @@ class OperatorQueries(HistoryLog):
             (matched,) = cursor.fetchone()
         if dry_run or not matched:
             return PurgeReport(int(matched), 0, dry_run)
-        deleted = 0
-        while True:
-            with (
-                self._translated(),
-                transaction.atomic(using=self.alias),
-                self.connection.cursor() as cursor,
-            ):
-                cursor.execute(
-                    f"SELECT id FROM {DEAD_TABLE} WHERE {where} ORDER BY id LIMIT %s",
-                    [*params, chunk_size],
-                )
-                ids = [int(row[0]) for row in cursor.fetchall()]
-                if ids:
-                    cursor.execute(
-                        f"DELETE FROM {DEAD_TABLE} WHERE id IN ({placeholders(ids)})",
-                        ids,
-                    )
-                    deleted += int(cursor.rowcount)
-            if len(ids) < chunk_size:
-                break
+        deleted = self._delete_in_chunks(
+            f"SELECT id FROM {DEAD_TABLE} WHERE {where} ORDER BY id LIMIT %s",
+            params,
+            lambda ids: (
+                f"DELETE FROM {DEAD_TABLE} WHERE id IN ({placeholders(ids)})",
+                ids,
+            ),
+            chunk_size,
+        )
         return PurgeReport(int(matched), deleted, False)
 
     def delete_dead_letters(self, ids: Sequence[int]) -> list[int]:
@@ -353,13 +342,6 @@ class OperatorQueries(HistoryLog):
                     )
                     deleted.extend(held)
         return deleted
-
-    def _for_update(self) -> str:
-        """`` FOR UPDATE`` where the vendor has row locks (SQLite has one writer)."""
-        connection = self.connection
-        if not connection.features.has_select_for_update:
-            return ""
-        return " " + str(connection.ops.for_update_sql())
 
     def _unleased_chunks(self, ids: Sequence[int]) -> Iterator[tuple[Any, list[int]]]:
         """Per chunk of ``ids``, one transaction with the rows no relay holds locked.

@@ -473,9 +473,3 @@ class OrderingQueries(StoreBase):
         """On PostgreSQL, wake listening relays at commit: a key's next row is due."""
         if changed and self.dialect.notifies:
             cursor.execute(f"SELECT pg_notify('{CHANNEL}', '')", [])
-
-    def _for_update(self) -> str:
-        connection = self.connection
-        if not connection.features.has_select_for_update:
-            return ""
-        return " " + str(connection.ops.for_update_sql())
