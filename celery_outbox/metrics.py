@@ -30,7 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .conf import split_address
+from .conf import OutboxSettings, split_address
+from .exceptions import OutboxConfigurationError
 from .outcomes import Outcome
 from .relay.events import BatchSettled, BreakerOpened, Coalesced, RelayEvent
 from .store import OutboxStore, Stats
@@ -213,6 +214,26 @@ class PrometheusSink:
     def observe(self, name: str, value: float) -> None:
         """Observe a histogram."""
         self._get("histogram", name).observe(value)
+
+
+def configured_sinks(settings: OutboxSettings, metrics_port: int | None) -> list[Sink]:
+    """The sinks a relay or handler processor reports to: StatsD when
+    ``CELERY_OUTBOX_STATSD_ADDRESS`` is set, and Prometheus served on ``metrics_port``
+    (``/metrics``) when a port is given."""
+    sinks: list[Sink] = []
+    if settings.statsd_address:
+        sinks.append(StatsdSink(settings.statsd_address))
+    if metrics_port is not None:
+        try:
+            import prometheus_client
+        except ImportError as exc:
+            raise OutboxConfigurationError(
+                "--metrics-port needs prometheus_client: "
+                "pip install 'celery-outbox[prometheus]'."
+            ) from exc
+        prometheus_client.start_http_server(metrics_port)
+        sinks.append(PrometheusSink())
+    return sinks
 
 
 class RelayMetrics:

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from ..conf import OutboxSettings
-from ..exceptions import OutboxConfigurationError
 from ..metrics import Sink
 from .events import (
     HandlerEvent,
@@ -125,21 +124,12 @@ def processor_listeners(
     settings: OutboxSettings, databases: Sequence[str], metrics_port: int | None = None
 ) -> list[HandlerMetrics]:
     """The metrics listeners a processor gets: StatsD when configured, Prometheus on a port."""
-    from ..metrics import PrometheusSink, StatsdSink
+    from ..metrics import configured_sinks
 
-    listeners: list[HandlerMetrics] = []
-    if settings.statsd_address:
-        listeners.append(HandlerMetrics(StatsdSink(settings.statsd_address), databases))
-    if metrics_port is not None:
-        try:
-            import prometheus_client
-        except ImportError as exc:
-            raise OutboxConfigurationError(
-                "--metrics-port needs prometheus_client: pip install 'celery-outbox[prometheus]'."
-            ) from exc
-        prometheus_client.start_http_server(metrics_port)
-        listeners.append(HandlerMetrics(PrometheusSink(), databases))
-    return listeners
+    return [
+        HandlerMetrics(sink, databases)
+        for sink in configured_sinks(settings, metrics_port)
+    ]
 
 
 def flush_listeners(settings: OutboxSettings) -> list[HandlerListener]:

@@ -13,8 +13,7 @@ from ..conf import OutboxSettings
 from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
 from ..enqueue import outbox_alias
-from ..exceptions import OutboxConfigurationError
-from ..metrics import PrometheusSink, RelayMetrics, StatsdSink
+from ..metrics import RelayMetrics, configured_sinks
 from ..signals import send_relay_signals
 from ..store import OutboxStore
 from .config import RelayConfig
@@ -68,17 +67,9 @@ def build_relay(
     if settings.notify and connections[alias].vendor == "postgresql":
         wakeup = PgNotifyListener(alias)
     listeners: list[Listener] = [log_event, send_relay_signals]
-    if settings.statsd_address:
-        listeners.append(RelayMetrics(StatsdSink(settings.statsd_address), store))
-    if metrics_port is not None:
-        try:
-            import prometheus_client
-        except ImportError as exc:
-            raise OutboxConfigurationError(
-                "--metrics-port needs prometheus_client: pip install 'celery-outbox[prometheus]'."
-            ) from exc
-        prometheus_client.start_http_server(metrics_port)
-        listeners.append(RelayMetrics(PrometheusSink(), store))
+    listeners.extend(
+        RelayMetrics(sink, store) for sink in configured_sinks(settings, metrics_port)
+    )
     batch_hooks = tracing_hooks(broker or type(publisher).__name__)
     listeners.extend(batch_hooks)
     # Retries and dead letters, rate-limited; in each message's enqueue-time structlog
