@@ -23,7 +23,7 @@ from django.utils.safestring import SafeString
 from .conf import get_settings
 from .decoding import decode_arguments
 from .envelope import load_json
-from .history_admin import TaskLinks
+from .history_admin import OutboxRecords, TaskLinks
 from .models import DeadLetter, MessageFields, OutboxMessage
 from .ordering.admin import OrderedKeysAdmin
 from .redaction import redact_arguments
@@ -99,7 +99,7 @@ class StateFilter(admin.SimpleListFilter):
         return queryset
 
 
-class MessageAdminMixin:
+class MessageAdminMixin(OutboxRecords):
     """Read-only display shared by the outbox and dead-letter admins."""
 
     #: The most rows one action works on: each is loaded and logged, so "select all"
@@ -107,25 +107,6 @@ class MessageAdminMixin:
     action_limit = 10_000
     #: Where larger selections are handled, named in the refusal.
     bulk_hint = "narrow the selection with the filters and act on it in parts"
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        """Rows on the outbox alias."""
-        from .enqueue import outbox_alias
-
-        queryset: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
-        return cast("QuerySet[Any]", queryset.using(outbox_alias(get_settings())))
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Rows are written by the enqueue path only."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Fields are never edited; operators use the actions."""
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """No ORM deletes: actions go through the store."""
-        return False
 
     @admin.display(description="last error")
     def short_error(self, obj: MessageFields) -> str:

@@ -67,6 +67,33 @@ def task_urls(
     return links
 
 
+class OutboxRecords:
+    """Records on the outbox alias, shown read-only.
+
+    Rows are written by the enqueue path and the store; operators change them
+    through actions that call the store, never by editing or deleting in the ORM.
+    """
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        """The records on the outbox alias."""
+        from .enqueue import outbox_alias
+
+        queryset: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
+        return cast("QuerySet[Any]", queryset.using(outbox_alias(get_settings())))
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Nothing is added by hand."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Fields are never edited."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """No ORM deletes: the store's actions and the retention purge delete."""
+        return False
+
+
 class TaskLinks:
     """A "related" column: links to the task id's records in the other tables."""
 
@@ -88,7 +115,7 @@ class TaskLinks:
 
 
 @admin.register(HistoryEvent)
-class HistoryEventAdmin(TaskLinks, admin.ModelAdmin):  # type: ignore[type-arg]
+class HistoryEventAdmin(OutboxRecords, TaskLinks, admin.ModelAdmin):  # type: ignore[type-arg]
     """Each message's history (``CELERY_OUTBOX_HISTORY``): read-only, newest first."""
 
     task_link_targets = ("outbox", "dead", "result")
@@ -118,25 +145,6 @@ class HistoryEventAdmin(TaskLinks, admin.ModelAdmin):  # type: ignore[type-arg]
         "related",
     )
     readonly_fields = fields
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        """Events on the outbox alias."""
-        from .enqueue import outbox_alias
-
-        queryset = super().get_queryset(request)
-        return cast("QuerySet[Any]", queryset.using(outbox_alias(get_settings())))
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are written by the store only."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events are a record: never edited."""
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Events go by retention (``purge_dead_letters``), not by hand."""
-        return False
 
     @admin.display(description="reason")
     def short_error(self, obj: HistoryEvent) -> str:
