@@ -4,6 +4,9 @@ the archive. Parsing lives here; the work is in :mod:`.declare` and :mod:`.archi
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from django.utils.module_loading import import_string
@@ -81,7 +84,7 @@ def run(options: dict[str, Any], out: Output) -> None:
         return
     held = topology.retries is Retries.DATABASE
     if command == "archive" and held:
-        _held_archive(topology, options, out)
+        _archive_command(_held_archive(topology), options, out)
         return
     with app.connection_for_write() as connection:
         if command == "declare":
@@ -99,73 +102,71 @@ def run(options: dict[str, Any], out: Output) -> None:
                     f"outbox: archived (dead letters)\t{dbarchive.count(topology)}\n"
                 )
         else:
-            _archive(connection, topology, options, out)
+            _archive_command(_queue_archive(connection, topology), options, out)
 
 
-def _archive(
-    connection: Any, topology: ServiceTopology, options: dict[str, Any], out: Output
-) -> None:
+@dataclass(frozen=True)
+class _Archive:
+    """One service's archive: the broker's archive queue, or the outbox's dead letters."""
+
+    count: Callable[[], int]
+    listing: Callable[[int], Iterable[archive.ArchivedEvent]]
+    purge: Callable[[], int]
+    replay: Callable[..., Any]
+    #: What the line after a replay adds about the result.
+    note: Callable[[Any], str]
+
+
+def _queue_archive(connection: Any, topology: ServiceTopology) -> _Archive:
+    """The archive queue on the broker (broker-side retries)."""
+    return _Archive(
+        count=partial(archive.count, connection, topology),
+        listing=partial(archive.list_archive, connection, topology),
+        purge=partial(archive.purge, connection, topology),
+        replay=partial(archive.replay, connection, topology),
+        note=lambda result: (
+            f", kept {result.missing_queue} whose queue no longer exists"
+            if result.missing_queue
+            else ""
+        ),
+    )
+
+
+def _held_archive(topology: ServiceTopology) -> _Archive:
+    """The outbox's dead letters (retries held in the database)."""
+    return _Archive(
+        count=partial(dbarchive.count, topology),
+        listing=partial(dbarchive.list_archive, topology),
+        purge=partial(dbarchive.purge, topology),
+        replay=partial(dbarchive.replay, topology),
+        note=lambda result: " (the outbox's dead letters)",
+    )
+
+
+def _archive_command(target: _Archive, options: dict[str, Any], out: Output) -> None:
     from ..exceptions import OutboxError
 
     command = options["archive_command"]
     if command == "count":
-        out.write(f"{archive.count(connection, topology)}\n")
+        out.write(f"{target.count()}\n")
     elif command == "list":
-        for each in archive.list_archive(connection, topology, options["limit"]):
+        for each in target.listing(options["limit"]):
             _write_archived(out, each)
     elif command == "purge":
-        out.write(f"purged {archive.purge(connection, topology)}\n")
+        out.write(f"purged {target.purge()}\n")
     else:
         if not (options["ids"] or options["event"] or options["all"]):
             raise OutboxError("Say what to replay: ids, --event GLOB or --all.")
         bar = _progress(out)
-        result = archive.replay(
-            connection,
-            topology,
-            event=options["event"],
-            ids=options["ids"],
-            on_progress=bar.update,
-        )
-        bar.close()
+        try:
+            result = target.replay(
+                event=options["event"], ids=options["ids"], on_progress=bar.update
+            )
+        finally:
+            bar.close()
         out.write(
             f"\nreplayed {result.replayed}, left {result.left} in the archive"
-            + (
-                f", kept {result.missing_queue} whose queue no longer exists"
-                if result.missing_queue
-                else ""
-            )
-            + "\n"
-        )
-
-
-def _held_archive(
-    topology: ServiceTopology, options: dict[str, Any], out: Output
-) -> None:
-    """The archive commands where the outbox's dead letters are the archive."""
-    from ..exceptions import OutboxError
-
-    command = options["archive_command"]
-    if command == "count":
-        out.write(f"{dbarchive.count(topology)}\n")
-    elif command == "list":
-        for each in dbarchive.list_archive(topology, options["limit"]):
-            _write_archived(out, each)
-    elif command == "purge":
-        out.write(f"purged {dbarchive.purge(topology)}\n")
-    else:
-        if not (options["ids"] or options["event"] or options["all"]):
-            raise OutboxError("Say what to replay: ids, --event GLOB or --all.")
-        bar = _progress(out)
-        result = dbarchive.replay(
-            topology,
-            event=options["event"],
-            ids=options["ids"],
-            on_progress=bar.update,
-        )
-        bar.close()
-        out.write(
-            f"\nreplayed {result.replayed}, left {result.left} in the archive "
-            f"(the outbox's dead letters)\n"
+            f"{target.note(result)}\n"
         )
 
 
