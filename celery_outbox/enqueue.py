@@ -117,14 +117,52 @@ def outbox_alias(settings: OutboxSettings) -> str:
     return router.db_for_write(OutboxMessage)
 
 
+@dataclasses.dataclass(frozen=True)
+class GuardWording:
+    """What :class:`TransactionGuard` says, for one kind of write.
+
+    Each text is formatted with ``name`` (the task name or category), ``alias`` (the
+    outbox's) and ``others`` (the aliases whose transactions are open).
+    """
+
+    #: Raised: inside ``atomic()``, but on another alias than the outbox's.
+    other_database: str
+    #: Raised under ``CELERY_OUTBOX_OUTSIDE_TRANSACTION = 'raise'``.
+    outside_raise: str
+    #: Logged once per name under ``'warn'``.
+    outside_warn: str
+
+
+TASK_WORDING = GuardWording(
+    other_database=(
+        "Task {name!r} was sent inside transaction.atomic() on database {others}, but "
+        "the outbox lives on {alias!r}: its row would commit on its own, even if your "
+        "transaction rolls back. Wrap the call in transaction.atomic(using={alias!r}) "
+        "too, or set CELERY_OUTBOX_DATABASE to the alias your business data uses."
+    ),
+    outside_raise=(
+        "Task {name!r} was sent outside transaction.atomic() on {alias!r} and "
+        "CELERY_OUTBOX_OUTSIDE_TRANSACTION is 'raise'. Send it inside "
+        "transaction.atomic(using={alias!r}), or set the setting to 'warn'."
+    ),
+    outside_warn=(
+        "Task {name!r} was sent outside transaction.atomic(); its outbox row was "
+        "committed on its own (autocommit). Wrap the call in atomic() to tie it to "
+        "your data, or set CELERY_OUTBOX_OUTSIDE_TRANSACTION = 'allow' to silence "
+        "this warning (logged once per task name)."
+    ),
+)
+
+
 class TransactionGuard:
     """Checks that a write will commit or roll back with the caller's transaction."""
 
-    def __init__(self) -> None:
+    def __init__(self, wording: GuardWording = TASK_WORDING) -> None:
+        self.wording = wording
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
-    def check(self, alias: str, task_name: str, mode: OutsideTransaction) -> None:
+    def check(self, alias: str, name: str, mode: OutsideTransaction) -> None:
         """Raise or warn when the outbox alias is not inside ``atomic()``."""
         if connections[alias].in_atomic_block:
             return
@@ -133,31 +171,24 @@ class TransactionGuard:
             for conn in connections.all(initialized_only=True)
             if conn.alias != alias and conn.in_atomic_block
         )
+        words = self.wording
         if others:
             raise OutboxTransactionError(
-                f"Task {task_name!r} was sent inside transaction.atomic() on database "
-                f"{', '.join(map(repr, others))}, but the outbox lives on {alias!r}: its row "
-                f"would commit on its own, even if your transaction rolls back. Wrap the call "
-                f"in transaction.atomic(using={alias!r}) too, or set CELERY_OUTBOX_DATABASE "
-                f"to the alias your business data uses."
+                words.other_database.format(
+                    name=name, alias=alias, others=", ".join(map(repr, others))
+                )
             )
         if mode is OutsideTransaction.RAISE:
             raise OutboxTransactionError(
-                f"Task {task_name!r} was sent outside transaction.atomic() on {alias!r} and "
-                f"CELERY_OUTBOX_OUTSIDE_TRANSACTION is 'raise'. Send it inside "
-                f"transaction.atomic(using={alias!r}), or set the setting to 'warn'."
+                words.outside_raise.format(name=name, alias=alias, others="")
             )
         if mode is OutsideTransaction.WARN:
             with self._lock:
-                first = task_name not in self._warned
-                self._warned.add(task_name)
+                first = name not in self._warned
+                self._warned.add(name)
             if first:
                 logger.warning(
-                    "Task %r was sent outside transaction.atomic(); its outbox row was "
-                    "committed on its own (autocommit). Wrap the call in atomic() to tie it "
-                    "to your data, or set CELERY_OUTBOX_OUTSIDE_TRANSACTION = 'allow' to "
-                    "silence this warning (logged once per task name).",
-                    task_name,
+                    "%s", words.outside_warn.format(name=name, alias=alias, others="")
                 )
 
 

@@ -7,17 +7,16 @@ import contextvars
 import functools
 import json
 import logging
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import connections, router, transaction
+from django.db import router, transaction
 
-from ..conf import OutsideTransaction, get_settings
+from ..conf import get_settings
+from ..enqueue import GuardWording, TransactionGuard
 from ..exceptions import (
     OutboxSerializationError,
-    OutboxTransactionError,
     OutboxValueError,
 )
 from .core import KEY_LENGTH, shard_key
@@ -123,47 +122,24 @@ def _flush_on_commit(alias: str, shards: set[str]) -> None:
     transaction.on_commit(callback, using=alias)
 
 
-class _Guard:
-    """The outside-transaction policy of tasks, applied to handler messages."""
-
-    def __init__(self) -> None:
-        self._warned: set[str] = set()
-        self._lock = threading.Lock()
-
-    def check(self, alias: str, category: str, mode: OutsideTransaction) -> None:
-        if connections[alias].in_atomic_block:
-            return
-        others = sorted(
-            conn.alias
-            for conn in connections.all(initialized_only=True)
-            if conn.alias != alias and conn.in_atomic_block
-        )
-        if others:
-            raise OutboxTransactionError(
-                f"A handler message of category {category!r} was emitted inside "
-                f"transaction.atomic() on {', '.join(map(repr, others))}, but it is "
-                f"written to {alias!r}: it would commit on its own, even if your "
-                f"transaction rolls back. Pass using= the alias of your data."
-            )
-        if mode is OutsideTransaction.RAISE:
-            raise OutboxTransactionError(
-                f"A handler message of category {category!r} was emitted outside "
-                f"transaction.atomic() on {alias!r} and CELERY_OUTBOX_OUTSIDE_TRANSACTION "
-                f"is 'raise'. Emit it inside transaction.atomic(using={alias!r})."
-            )
-        if mode is OutsideTransaction.WARN:
-            with self._lock:
-                first = category not in self._warned
-                self._warned.add(category)
-            if first:
-                logger.warning(
-                    "A handler message of category %r was emitted outside "
-                    "transaction.atomic(); it was committed on its own. Emit it inside "
-                    "atomic() to tie it to your data, or set "
-                    "CELERY_OUTBOX_OUTSIDE_TRANSACTION = 'allow' (logged once per "
-                    "category).",
-                    category,
-                )
-
-
-_guard = _Guard()
+#: The outside-transaction policy of tasks, in the words of handler messages.
+_WORDING = GuardWording(
+    other_database=(
+        "A handler message of category {name!r} was emitted inside "
+        "transaction.atomic() on {others}, but it is written to {alias!r}: it would "
+        "commit on its own, even if your transaction rolls back. Pass using= the "
+        "alias of your data."
+    ),
+    outside_raise=(
+        "A handler message of category {name!r} was emitted outside "
+        "transaction.atomic() on {alias!r} and CELERY_OUTBOX_OUTSIDE_TRANSACTION is "
+        "'raise'. Emit it inside transaction.atomic(using={alias!r})."
+    ),
+    outside_warn=(
+        "A handler message of category {name!r} was emitted outside "
+        "transaction.atomic(); it was committed on its own. Emit it inside atomic() "
+        "to tie it to your data, or set CELERY_OUTBOX_OUTSIDE_TRANSACTION = 'allow' "
+        "(logged once per category)."
+    ),
+)
+_guard = TransactionGuard(_WORDING)
