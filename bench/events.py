@@ -7,11 +7,13 @@ is the time per event of those transactions), then drains the outbox with an
 in-process relay (``until_empty``) and checks that each service's queue holds every
 event exactly once. The drain figure is events per second, each published as one
 copy per service (on RabbitMQ the topic exchange makes the copies, on Redis the
-relay pushes one per bound list).
+relay pushes one per bound list). Each figure is the median of the repeats.
 
-Each figure is the median of the repeats. Handler-side figures (handled per second
-through real workers, retry delay error) come from the end-to-end tests
-(``tests/e2e/test_events.py``), which print them.
+Then, end to end (``bench.events_e2e``): a relay process and one worker process per
+service handle events fired to both services, in transactions of ``PER_COMMIT`` and
+in one burst (handled/s, from the first commit to the last handled), and a handler failing three times measures the retry delays
+against the steps 1, 2 and 4 s: held by RabbitMQ's TTL queues, by the database on
+Redis. One run per broker.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import env
+from bench.events_e2e import STEPS as E2E_STEPS
+from bench.events_e2e import E2EResult, E2ESizes, forget, run_broker
 from bench.run import BenchError, median
 
 SERVICES = (("billing", "order.*"), ("shipping", "order.created"))
@@ -38,7 +42,9 @@ class EventSizes:
 
     @classmethod
     def pick(cls, quick: bool, repeats: int | None = None) -> EventSizes:
-        sizes = cls(2_000, 1) if quick else cls(10_000, 3)
+        # 5,000 (not 10,000) per repeat keeps the whole part, end to end included,
+        # under about 90 s on a busy machine.
+        sizes = cls(2_000, 1) if quick else cls(5_000, 3)
         if repeats is None:
             return sizes
         return dataclasses.replace(sizes, repeats=max(1, repeats))
@@ -67,7 +73,18 @@ def bench_events(quick: bool, repeats: int | None = None) -> str:
             CELERY_OUTBOX_OUTSIDE_TRANSACTION="raise",
         ):
             results[kind] = _run_broker(kind, exchange, sizes)
-    return _render(results, sizes)
+    e2e_sizes = E2ESizes.pick(quick)
+    e2e: dict[str, E2EResult] = {}
+    e2e_exchange = f"bench-events-e2e-{env.RUN_ID}"
+    for kind, retries in (("amqp", "broker"), ("redis", "database")):
+        with override_settings(
+            CELERY_OUTBOX_EVENTS_EXCHANGE=e2e_exchange,
+            CELERY_OUTBOX_EVENTS_RETRIES=retries,
+            CELERY_OUTBOX_EVENTS_MAX_RETRIES=E2E_STEPS,
+            CELERY_OUTBOX_OUTSIDE_TRANSACTION="raise",
+        ):
+            e2e[kind] = run_broker(kind, retries, e2e_exchange, e2e_sizes)
+    return _render(results, sizes) + "\n" + _render_e2e(e2e, e2e_sizes)
 
 
 def _run_broker(kind: str, exchange: str, sizes: EventSizes) -> BrokerResult:
@@ -110,7 +127,7 @@ def _run_broker(kind: str, exchange: str, sizes: EventSizes) -> BrokerResult:
                         f"{sizes.events} events"
                     )
     finally:
-        _forget(shop, kind, exchange, topologies)
+        forget(shop, kind, exchange, topologies)
     return result
 
 
@@ -164,22 +181,6 @@ def _take(app: Any, kind: str, queue: str) -> int:
         return held
 
 
-def _forget(app: Any, kind: str, exchange: str, topologies: list[Any]) -> None:
-    """Delete what this part declared on the broker."""
-    with app.connection_for_write() as connection:
-        channel = connection.default_channel
-        if kind == "redis":
-            client = channel.client
-            for key in client.scan_iter(f"*{exchange}*"):
-                client.delete(key)
-            return
-        for topology in topologies:
-            for queue in topology.all_queues():
-                channel.queue_delete(queue.name)
-        for name in (exchange, f"{exchange}:unrouted"):
-            channel.exchange_delete(name)
-
-
 def _render(results: dict[str, BrokerResult], sizes: EventSizes) -> str:
     labels = {"amqp": "RabbitMQ", "redis": "Redis"}
     lines = [
@@ -193,6 +194,48 @@ def _render(results: dict[str, BrokerResult], sizes: EventSizes) -> str:
         lines.append(
             f"  {labels[kind]:<10} {median(result.fire_us):>16,.0f} {rate:>24,.0f} "
             f"{rate * len(SERVICES):>10,.0f}"
+        )
+    return "\n".join(lines)
+
+
+def _render_e2e(results: dict[str, E2EResult], sizes: E2ESizes) -> str:
+    from celery_outbox.conf import get_settings
+
+    labels = {"amqp": "RabbitMQ", "redis": "Redis"}
+    poll = get_settings().poll_interval
+    held = {"amqp": "broker (TTL queues)", "redis": f"database (poll {poll:g} s)"}
+    names = list(next(iter(results.values())).rounds[0].per_service)
+    lines = [
+        f"  end to end: {sizes.events:,} events, a relay and one worker per service "
+        f"(threads), handled/s from the first commit to the last handled",
+        f"  {'broker':<10} {'per commit':>10} {'fired in s':>10} {'then s':>7} "
+        + " ".join(f"{name:>15}" for name in names)
+        + f" {'both copies/s':>14} {'duplicates':>10}",
+    ]
+    for kind, result in results.items():
+        for handled in result.rounds:
+            lines.append(
+                f"  {labels[kind]:<10} {handled.per_commit:>10,} "
+                f"{handled.fired:>10.2f} {handled.lag:>7.2f} "
+                + " ".join(f"{handled.per_service[name]:>15,.0f}" for name in names)
+                + f" {handled.overall:>14,.0f} {handled.duplicates:>10}"
+            )
+    lines.append(
+        f"  retry delays: {sizes.probes} events x {len(names)} services failing "
+        f"{E2E_STEPS} times, steps 1, 2, 4 s, between a handler's attempts"
+    )
+    lines.append(
+        f"  {'broker':<10} {'retries held by':<24} {'delays':>6} "
+        f"{'max |error| s':>14} {'max |error| %':>14} {'mean error s':>13}"
+    )
+    for kind, result in results.items():
+        errors = result.errors()
+        seconds = [abs(error) for error, _ in errors]
+        percent = [abs(pct) for _, pct in errors]
+        mean = sum(error for error, _ in errors) / len(errors)
+        lines.append(
+            f"  {labels[kind]:<10} {held[kind]:<24} {len(errors):>6} "
+            f"{max(seconds):>14.3f} {max(percent):>14.1f} {mean:>+13.3f}"
         )
     return "\n".join(lines)
 
