@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from typing import Any
 
 from celery import Celery
@@ -24,6 +26,33 @@ def _noop(number: int) -> int:
 
 
 noop = app.task(name=env.TASK_NAME)(_noop)
+
+#: The Redis list where ``bench.ordered`` records its runs (the strict part reads it);
+#: named after the run's queue, so the bench's clean-up deletes it.
+RUNS_KEY = f"{env.QUEUE}:runs"
+
+
+@functools.cache
+def _runs() -> Any:
+    import redis
+
+    return redis.Redis.from_url(env.REDIS_URL, socket_timeout=30)
+
+
+def _ordered(tag: str, seconds: float = 0.0) -> str:
+    """Sleep ``seconds``, then append ``"<tag> <pid> <start> <end>"`` to the runs.
+
+    :data:`RUNS_KEY` keeps the appends of every worker process in one order: a key's
+    runs can be checked against it, and the last end is when the last run ended.
+    The times are the machine's monotonic clock.
+    """
+    start = time.monotonic()
+    time.sleep(seconds)
+    _runs().rpush(RUNS_KEY, f"{tag} {os.getpid()} {start:.6f} {time.monotonic():.6f}")
+    return tag
+
+
+ordered = app.task(name="bench.ordered")(_ordered)
 
 
 def plain_app(kind: str) -> Celery:

@@ -104,6 +104,10 @@ class Report:
     history: str = ""
     #: The keyed drain's table (bench.ordering), rendered by that module.
     keyed: str = ""
+    #: The strict ordering part's table (bench.strict), rendered by that module.
+    strict: str = ""
+    #: The handler latency part's table (bench.handlers_latency), rendered there.
+    handlers: str = ""
     sizes: Sizes | None = None
 
 
@@ -1090,6 +1094,10 @@ def render(report: Report, only: str | None) -> str:
     if report.keyed:
         add("")
         add(report.keyed)
+    for table in (report.strict, report.handlers):
+        if table:
+            add("")
+            add(table)
     return "\n".join(out)
 
 
@@ -1120,6 +1128,8 @@ def main(argv: list[str] | None = None) -> int:
             "events",
             "history",
             "keyed",
+            "strict",
+            "handlers",
             "library",
             "profile",
         ],
@@ -1144,7 +1154,17 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(sizes=sizes)
     brokers = Brokers()
     parts = (
-        ["raw", "enqueue", "drain", "latency", "inbox", "events", "keyed"]
+        [
+            "raw",
+            "enqueue",
+            "drain",
+            "latency",
+            "inbox",
+            "events",
+            "keyed",
+            "strict",
+            "handlers",
+        ]
         if args.only is None
         else [args.only]
     )
@@ -1182,6 +1202,14 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.ordering import bench_keyed  # imports this module
 
                 report.keyed = bench_keyed(sizes, brokers, envelopes)
+            elif part == "strict":
+                from bench.strict import bench_strict  # imports this module
+
+                report.strict = bench_strict(args.quick, args.repeats, brokers)
+            elif part == "handlers":
+                from bench.handlers_latency import bench_handlers  # imports this module
+
+                report.handlers = bench_handlers(args.quick, args.repeats)
             elif part == "profile":
                 for kind in ("amqp", "redis"):
                     print(profile_drain(kind, envelopes, brokers), flush=True)

@@ -10,7 +10,8 @@ SECRET_KEY = "celery-outbox-bench-not-secret"
 DEBUG = False
 USE_TZ = True
 TIME_ZONE = "UTC"
-INSTALLED_APPS = ["celery_outbox", "bench"]
+#: The handler outboxes for part 11 (bench.handlers_latency).
+INSTALLED_APPS = ["celery_outbox", "celery_outbox.handlers", "bench"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DATABASES = {
