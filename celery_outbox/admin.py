@@ -25,7 +25,7 @@ from .decoding import decode_arguments
 from .envelope import load_json
 from .history_admin import OutboxRecords, TaskLinks
 from .models import DeadLetter, MessageFields, OutboxMessage
-from .ordering.admin import OrderedKeysAdmin
+from .ordering.admin import BLOCKED_ACTIONS, OrderedKeysAdmin
 from .redaction import redact_arguments
 from .states import message_state
 from .store import DeadLetterFilter, OutboxStore
@@ -246,7 +246,7 @@ class OutboxMessageAdmin(
         "related",
     )
     readonly_fields = fields
-    actions = ("retry_now", "move_to_dead_letters")
+    actions = ("retry_now", "move_to_dead_letters", *BLOCKED_ACTIONS)
 
     # Not "state": the model has an ordering column of that name, which Django's
     # list_display would show instead of this method.

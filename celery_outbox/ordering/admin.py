@@ -22,7 +22,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from django.contrib import admin, messages
-from django.contrib.admin.options import IS_POPUP_VAR
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
@@ -106,16 +105,6 @@ class OrderedKeysAdmin(_AdminBase):
             return BLOCKED_COLUMNS
         return super().get_list_display(request)
 
-    def get_actions(self, request: HttpRequest) -> Any:
-        """The host's actions, and the three on blocked heads for operators."""
-        found: dict[str, Any] = dict(super().get_actions(request))
-        if IS_POPUP_VAR in request.GET or not self.has_operate_permission(request):
-            return found
-        for function in BLOCKED_ACTIONS:
-            name = function.__name__
-            found[name] = (function, name, getattr(function, "short_description"))  # noqa: B009
-        return found
-
     @admin.display(description="blocked at")
     def blocked_at(self, obj: Any) -> datetime | None:
         """When the head blocked its key (None for a row that is not blocked)."""
@@ -124,7 +113,9 @@ class OrderedKeysAdmin(_AdminBase):
         return blocked_since(obj.available_at)
 
 
-@admin.action(description="Ordered key: retry the blocked head")
+@admin.action(
+    description="Ordered key: retry the blocked head", permissions=("operate",)
+)
 def retry_blocked(
     model_admin: Any, request: HttpRequest, queryset: QuerySet[Any]
 ) -> None:
@@ -138,7 +129,10 @@ def retry_blocked(
     )
 
 
-@admin.action(description="Ordered key: skip the blocked head (delete it)")
+@admin.action(
+    description="Ordered key: skip the blocked head (delete it)",
+    permissions=("operate",),
+)
 def skip_blocked(
     model_admin: Any, request: HttpRequest, queryset: QuerySet[Any]
 ) -> None:
@@ -152,7 +146,10 @@ def skip_blocked(
     )
 
 
-@admin.action(description="Ordered key: move the blocked head to the dead letters")
+@admin.action(
+    description="Ordered key: move the blocked head to the dead letters",
+    permissions=("operate",),
+)
 def dead_letter_blocked(
     model_admin: Any, request: HttpRequest, queryset: QuerySet[Any]
 ) -> None:
@@ -166,7 +163,8 @@ def dead_letter_blocked(
     )
 
 
-#: The actions :class:`OrderedKeysAdmin` adds, in the order of the action menu.
+#: The actions on blocked heads, for the host admin's ``actions`` (operators only:
+#: ``has_operate_permission``).
 BLOCKED_ACTIONS = (retry_blocked, skip_blocked, dead_letter_blocked)
 
 
