@@ -8,6 +8,7 @@ RabbitMQ's TTL queues there, by delayed outbox rows on Redis.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -54,16 +55,25 @@ class Events:
             OUTBOX_TEST_EVENTS_RETRIES=str(STEPS),
         )
 
-    def start_service(self, service: str) -> Proc:
+    def start_service(
+        self,
+        service: str,
+        *,
+        pool: str = "threads",
+        concurrency: int = 4,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        """A worker of ``service`` on its queue; ``env`` adds to the stack's."""
         args = [
             sys.executable, "-m", "celery", "-A", f"tests.events_project.{service}",
-            "worker", "--pool", "threads", "--concurrency", "4",
+            "worker", "--pool", pool, "--concurrency", str(concurrency),
             "-Q", f"{self.exchange}:{service}:tasks",
             "--hostname", f"{service}-{uuid.uuid4().hex[:6]}@%h",
             "--without-heartbeat", "--without-gossip", "--without-mingle",
             "-l", "warning",
         ]  # fmt: skip
-        proc = self.stack._spawn(service, args)
+        environ = dict(self.stack.env, **env) if env else None
+        proc = self.stack._spawn(service, args, env=environ)
         proc.wait_for_output(f"events: service {service} consumes")
         return proc
 
@@ -132,9 +142,13 @@ BOTH_BROKERS = pytest.mark.parametrize(
 )
 
 
-@pytest.fixture
-def events(e2e: Callable[..., Stack], broker: str) -> Iterator[Events]:
-    exchange = f"test-events-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def event_stack(
+    e2e: Callable[..., Stack], broker: str, prefix: str = "test-events"
+) -> Iterator[Events]:
+    """A stack on ``broker`` whose workers are event services, on an exchange of its
+    own; its queues, exchanges and records are deleted afterwards."""
+    exchange = f"{prefix}-{uuid.uuid4().hex[:8]}"
     with override_settings(
         CELERY_OUTBOX_EVENTS_EXCHANGE=exchange, CELERY_OUTBOX_EVENTS_MAX_RETRIES=STEPS
     ):
@@ -145,6 +159,12 @@ def events(e2e: Callable[..., Stack], broker: str) -> Iterator[Events]:
         finally:
             stack.stop_all()
             helper.cleanup()
+
+
+@pytest.fixture
+def events(e2e: Callable[..., Stack], broker: str) -> Iterator[Events]:
+    with event_stack(e2e, broker) as helper:
+        yield helper
 
 
 def fire(event: Any, numbers: range, rollback_every: int = 0) -> set[int]:

@@ -15,9 +15,7 @@ with the connection and the broker delivers that event again once it is back.
 
 from __future__ import annotations
 
-import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,11 +23,10 @@ from typing import Any
 
 import pytest
 from django.db import transaction
-from django.test import override_settings
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from tests.e2e.conftest import WORKER_HEARTBEAT, Proc, Stack, wait_until
-from tests.e2e.test_events import STEPS, Events
+from tests.e2e.test_events import Events, event_stack
 
 from ..conftest import BROKER_AMQP
 from ..integration.test_events import order_created_fixture  # noqa: F401
@@ -107,35 +104,20 @@ def handled(events: Events, service: str) -> Counter[int]:
 def start_service(events: Events, service: str) -> Proc:
     """A prefork worker of ``service``: the threads pool shares one connection between
     its threads, which can corrupt frames while it reconnects after the outage."""
-    args = [
-        sys.executable, "-m", "celery", "-A", f"tests.events_project.{service}",
-        "worker", "--pool", "prefork", "--concurrency", "2",
-        "-Q", f"{events.exchange}:{service}:tasks",
-        "--hostname", f"{service}-{uuid.uuid4().hex[:6]}@%h",
-        "--without-heartbeat", "--without-gossip", "--without-mingle",
-        "-l", "warning",
-    ]  # fmt: skip
-    environ = dict(events.stack.env, OUTBOX_TEST_BROKER_HEARTBEAT=str(WORKER_HEARTBEAT))
-    proc = events.stack._spawn(service, args, env=environ)
-    proc.wait_for_output(f"events: service {service} consumes")
-    return proc
+    return events.start_service(
+        service,
+        pool="prefork",
+        concurrency=2,
+        env={"OUTBOX_TEST_BROKER_HEARTBEAT": str(WORKER_HEARTBEAT)},
+    )
 
 
 @pytest.fixture
 def events(e2e: E2E) -> Iterator[Events]:
     """A stack on RabbitMQ whose workers are event services, on an exchange of this
     test; its queues, exchanges and records are deleted afterwards."""
-    exchange = f"test-event-faults-{uuid.uuid4().hex[:8]}"
-    with override_settings(
-        CELERY_OUTBOX_EVENTS_EXCHANGE=exchange, CELERY_OUTBOX_EVENTS_MAX_RETRIES=STEPS
-    ):
-        stack = e2e(broker=BROKER_AMQP)
-        helper = Events(stack, exchange)
-        try:
-            yield helper
-        finally:
-            stack.stop_all()
-            helper.cleanup()
+    with event_stack(e2e, BROKER_AMQP, prefix="test-event-faults") as helper:
+        yield helper
 
 
 @pytest.mark.django_db(transaction=True)
