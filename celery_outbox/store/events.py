@@ -22,7 +22,7 @@ from .dialects import (
     MESSAGE_TABLE,
     placeholders,
 )
-from .store import _check_fits, _message_values
+from .store import check_fits, message_values
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class EventRows(StoreBase):
         if not envelopes:
             return
         for envelope in envelopes:
-            _check_fits(envelope)
+            check_fits(envelope)
         dialect = self.dialect
         now = dialect.now()
         params: list[Any] = []
@@ -108,7 +108,7 @@ class EventRows(StoreBase):
             row = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {after_sql})"
             head = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
             for envelope in envelopes:
-                params += [*_message_values(envelope), *after_params]
+                params += [*message_values(envelope), *after_params]
         else:
             columns = ", ".join(MESSAGE_COLUMNS)
             row = f"(0, {placeholders(MESSAGE_COLUMNS)}, 0, %s, {now}, {now})"
@@ -117,7 +117,7 @@ class EventRows(StoreBase):
                 f"last_error, created_at, dead_at)"
             )
             for envelope in envelopes:
-                params += [*_message_values(envelope), reason[:4000]]
+                params += [*message_values(envelope), reason[:4000]]
         sql = f"{head} VALUES " + ", ".join([row] * len(envelopes))
         with self._translated(), self.connection.cursor() as cursor:
             cursor.execute(sql, params)

@@ -81,7 +81,7 @@ class OutboxStore(
         if not envelopes:
             return
         for envelope in envelopes:
-            _check_fits(envelope)
+            check_fits(envelope)
         connection = self.connection
         held: HeldRows | None = getattr(connection, HELD_ROWS, None)
         if (
@@ -124,7 +124,7 @@ class OutboxStore(
         row = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {now})"
         params: list[Any] = []
         for envelope in envelopes:
-            params.extend(_message_values(envelope))
+            params.extend(message_values(envelope))
         sql = dialect.insert(
             f"{_INSERT_HEAD} VALUES " + ", ".join([row] * len(envelopes)), notify
         )
@@ -370,7 +370,7 @@ def _exclusive_file_lock(path: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-#: The enqueue INSERT up to its VALUES (the row layout of :func:`_message_values`).
+#: The enqueue INSERT up to its VALUES (the row layout of :func:`message_values`).
 _INSERT_HEAD = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
 
 
@@ -382,7 +382,7 @@ _ROWS_PER_INSERT = 1000
 _TEXT_LIMITS: dict[str, int | None] = {**COLUMN_LIMITS, "arguments_preview": None}
 
 
-def _check_fits(envelope: Envelope) -> None:
+def check_fits(envelope: Envelope) -> None:
     """Refuse, at the call, a value its column would truncate or reject at the INSERT."""
     _check_columns(envelope, _TEXT_LIMITS)
 
@@ -416,7 +416,8 @@ def _check_columns(envelope: Envelope, limits: Mapping[str, int | None]) -> None
                 ) from None
 
 
-def _message_values(envelope: Envelope) -> list[Any]:
+def message_values(envelope: Envelope) -> list[Any]:
+    """The values of one message row, in the order of ``MESSAGE_COLUMNS``."""
     return [
         envelope.task_id,
         envelope.task_name,

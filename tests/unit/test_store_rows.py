@@ -10,7 +10,7 @@ import pytest
 from celery_outbox.envelope import JsonObject, as_dict, json_text
 from celery_outbox.exceptions import OutboxValueError, UnsupportedPayloadVersion
 from celery_outbox.store.dialects import CLAIM_COLUMNS
-from celery_outbox.store.store import _check_fits, _stored_message
+from celery_outbox.store.store import _stored_message, check_fits
 from tests.integration.builders import envelope
 
 ROW: dict[str, Any] = {
@@ -92,11 +92,11 @@ def test_the_enqueue_length_limits_are_the_columns_widths() -> None:
 
 def test_every_text_column_is_checked_at_the_call() -> None:
     good = envelope("fine", task_id="fine")
-    _check_fits(good)
-    _check_fits(good)
+    check_fits(good)
+    check_fits(good)
     with pytest.raises(OutboxValueError, match="task_id contains a NUL"):
-        _check_fits(dataclasses.replace(good, task_id="bad\x00"))
+        check_fits(dataclasses.replace(good, task_id="bad\x00"))
     with pytest.raises(OutboxValueError, match="arguments_preview contains a lone"):
-        _check_fits(dataclasses.replace(good, arguments_preview="\udc80"))
+        check_fits(dataclasses.replace(good, arguments_preview="\udc80"))
     with pytest.raises(OutboxValueError, match="queue is 256 characters"):
-        _check_fits(dataclasses.replace(good, queue="q" * 256))
+        check_fits(dataclasses.replace(good, queue="q" * 256))
