@@ -1,0 +1,94 @@
+"""Text that reaches a database column: failures made storable, callers' keys checked.
+
+Two directions, two rules:
+
+* **What we record** (an exception's text, a traceback, a broker's reason) must always
+  be storable, or the failure it describes cannot be recorded and is repeated forever.
+  :func:`storable` replaces what no database stores (NUL, lone surrogates) and bounds
+  the length; it never raises.
+* **What a caller names** (a key, a shard, a category, an id) must mean exactly what
+  was written, so nothing is replaced: :func:`check_text` refuses it at the call with
+  an :class:`~celery_outbox.exceptions.OutboxValueError` naming the value, the
+  character and its position, before any statement of the caller's transaction runs.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .exceptions import OutboxValueError
+
+#: Characters of an error, reason or traceback kept in a column.
+ERROR_LIMIT = 4000
+#: What stands for a character no database stores (U+FFFD, the replacement character).
+REPLACEMENT = "\ufffd"
+_CUT = " [... cut, {} characters in all]"
+#: Surrogate code points: UTF-8 has no encoding for them, paired or not.
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def storable(text: str, limit: int | None = ERROR_LIMIT) -> str:
+    """``text`` with NUL and lone surrogates replaced, cut to at most ``limit`` characters.
+
+    PostgreSQL refuses a NUL in text; neither PostgreSQL nor MySQL/MariaDB stores a
+    lone surrogate (``'\\udc80'``, what Python decodes an undecodable byte to). The
+    start of the text is kept; a cut says how long the whole was.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    if "\x00" in text:
+        text = text.replace("\x00", REPLACEMENT)
+    if not text.isascii():
+        text = _SURROGATES.sub(REPLACEMENT, text)
+    if limit is not None and len(text) > limit:
+        cut = _CUT.format(len(text))
+        if len(cut) >= limit:
+            return text[:limit]
+        text = text[: limit - len(cut)] + cut
+    return text
+
+
+def unstorable_at(value: str) -> tuple[int, str] | None:
+    """The position and a description of the first character no database stores, or None."""
+    position = value.find("\x00")
+    if position >= 0:
+        return position, "a NUL (0x00) character, which PostgreSQL cannot store"
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            exc.start,
+            f"a lone surrogate ({value[exc.start]!r}), which cannot be stored as UTF-8",
+        )
+    return None
+
+
+def check_text(
+    value: object, what: str, where: str, *, limit: int | None = None
+) -> str:
+    """``value`` if a text column stores it exactly; else :class:`OutboxValueError`.
+
+    ``what`` names the value (``"ordering_key"``), ``where`` the call (``"Cannot
+    enqueue task 'shop.send'"``); the message says what is wrong, where, and that
+    nothing was written.
+    """
+    if not isinstance(value, str):
+        raise OutboxValueError(
+            f"{where}: {what} must be a string, got {type(value).__name__} "
+            f"{value!r}. Nothing was written."
+        )
+    found = unstorable_at(value)
+    if found is not None:
+        position, description = found
+        raise OutboxValueError(
+            f"{where}: {what} {value!r} contains {description}, at position "
+            f"{position}. Remove or encode that character. Nothing was written."
+        )
+    if limit is not None and len(value) > limit:
+        raise OutboxValueError(
+            f"{where}: {what} is {len(value)} characters long and the outbox stores "
+            f"at most {limit}. Use a shorter {what}. Nothing was written."
+        )
+    return value

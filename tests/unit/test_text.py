@@ -1,0 +1,60 @@
+"""Failures are made storable; callers' keys are refused at the call, never changed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_outbox.exceptions import OutboxValueError
+from celery_outbox.text import REPLACEMENT, check_text, storable
+
+
+def test_storable_replaces_nul_and_lone_surrogates() -> None:
+    assert (
+        storable("bad\x00byte \udc80 é 😀")
+        == f"bad{REPLACEMENT}byte {REPLACEMENT} é 😀"
+    )
+
+
+def test_storable_keeps_the_start_and_says_how_long_the_whole_was() -> None:
+    text = storable("x" * 5000, 4000)
+    assert len(text) == 4000
+    assert text.startswith("x" * 3900)
+    assert text.endswith("cut, 5000 characters in all]")
+
+
+def test_storable_leaves_short_text_alone() -> None:
+    assert storable("ValueError: no", 4000) == "ValueError: no"
+
+
+@given(st.text(alphabet=st.characters(codec=None), max_size=300))
+def test_storable_text_always_encodes_to_utf8_without_nul(text: str) -> None:
+    stored = storable(text, 200)
+    assert len(stored) <= 200
+    assert "\x00" not in stored
+    stored.encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    ("value", "position", "named"),
+    [("k\x00", 1, "NUL"), ("ab\udc80", 2, "lone surrogate")],
+)
+def test_check_text_names_the_value_the_character_and_its_position(
+    value: str, position: int, named: str
+) -> None:
+    with pytest.raises(OutboxValueError) as caught:
+        check_text(value, "ordering_key", "Cannot enqueue task 'shop.send'")
+    message = str(caught.value)
+    assert message.startswith("Cannot enqueue task 'shop.send': ordering_key")
+    assert named in message
+    assert f"at position {position}" in message
+    assert message.endswith("Nothing was written.")
+
+
+def test_check_text_refuses_other_types_and_long_values() -> None:
+    with pytest.raises(OutboxValueError, match="must be a string, got int"):
+        check_text(42, "shard", "Cannot emit")
+    with pytest.raises(OutboxValueError, match="at most 3"):
+        check_text("abcd", "shard", "Cannot emit", limit=3)
+    assert check_text("é😀", "shard", "Cannot emit", limit=3) == "é😀"
