@@ -1,4 +1,12 @@
-"""Fixtures shared by every test layer."""
+"""Fixtures shared by every test layer, and which tests need a server.
+
+A test under ``tests/integration``, ``tests/e2e``, ``tests/faults`` or ``tests/plugin``
+(or marked ``@pytest.mark.services``) needs PostgreSQL, MariaDB, RabbitMQ and Redis;
+every other test needs none (``tests/services.py``). ``OUTBOX_TEST_SERVICES=none``
+(``make check``) leaves the first kind out. Otherwise the servers are probed once
+before the first such test: in CI (``CI=true``) a missing one fails the run, elsewhere
+the tests that need it are skipped with a reason that names it.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,70 @@ from typing import Any
 
 import pytest
 
-BROKER_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
-BROKER_REDIS = "redis://127.0.0.1:6379/14"
+from tests import services
+
+#: The brokers of the end-to-end tests (nowhere in a run without servers, as the
+#: test project's own addresses).
+BROKER_AMQP = (
+    "amqp://guest:guest@127.0.0.1:1//"
+    if services.without_services()
+    else "amqp://guest:guest@127.0.0.1:5672//"
+)
+BROKER_REDIS = (
+    "redis://127.0.0.1:1/14"
+    if services.without_services()
+    else "redis://127.0.0.1:6379/14"
+)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if services.without_services():
+        return (
+            "OUTBOX_TEST_SERVICES=none: the tests that need a server are left out, and "
+            "every server address points at 127.0.0.1:1 (nothing listens there)"
+        )
+    return "servers: PostgreSQL, MariaDB, RabbitMQ, Redis (tests/services.py)"
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    needing = [
+        item
+        for item in items
+        if services.needs_services(
+            item.path, item.get_closest_marker("services") is not None
+        )
+    ]
+    for item in needing:
+        item.add_marker(pytest.mark.services)
+    if not needing:
+        return
+    if services.without_services():
+        chosen = set(needing)
+        config.hook.pytest_deselected(items=needing)
+        items[:] = [item for item in items if item not in chosen]
+        return
+    _require_servers(needing)
+
+
+def _require_servers(needing: list[pytest.Item]) -> None:
+    from django.conf import settings
+
+    found = services.services_of(settings, (BROKER_AMQP, BROKER_REDIS))
+    problems = services.missing(found)
+    if not problems:
+        return
+    if services.in_ci():
+        raise pytest.UsageError(
+            f"{len(needing)} collected test(s) need servers that are not there "
+            "(CI=true: a missing server fails the run, it never skips):\n  "
+            + "\n  ".join(problems)
+            + "\nStart them with `make services`."
+        )
+    skip = pytest.mark.skip(reason=f"{'; '.join(problems)}: {services.HOW_TO_START}")
+    for item in needing:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +97,17 @@ def outbox_app() -> Any:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _delete_test_queue(test_queue: str) -> Iterator[None]:
+def _delete_test_queue(
+    request: pytest.FixtureRequest, test_queue: str
+) -> Iterator[None]:
+    """Remove this run's RabbitMQ queue, when tests that use the servers ran."""
     yield
+    ran_servers = any(
+        item.get_closest_marker("services") and not item.get_closest_marker("skip")
+        for item in request.session.items
+    )
+    if not ran_servers:
+        return
     from kombu import Connection
 
     with Connection(BROKER_AMQP, connect_timeout=5) as conn:

@@ -1,0 +1,103 @@
+"""Which tests need a server (a database, a broker), and whether those servers answer.
+
+The rule is the folder: every test under one of :data:`SERVICE_FOLDERS` needs the
+services, and so does a test anywhere else marked ``@pytest.mark.services``. Every
+other test (``tests/unit``, the in-memory runs of ``tests/contract``, any new folder)
+needs none: ``make check`` runs them with ``OUTBOX_TEST_SERVICES=none``, where the
+test project's every server address points at a port nothing listens on
+(``tests/project/settings.py``), so a test there that reaches for a server fails
+instead of quietly using one that happens to run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+TESTS_DIR = Path(__file__).resolve().parent
+#: The folders whose tests need PostgreSQL, MariaDB, RabbitMQ and Redis.
+SERVICE_FOLDERS = ("integration", "e2e", "faults", "plugin")
+#: How long a server may take to accept a connection before it counts as missing.
+PROBE_TIMEOUT = 2.0
+#: What a contributor does about a missing server.
+HOW_TO_START = (
+    "start what is missing with `make services`, or run `make check` for the tests"
+    " that need no server"
+)
+
+_SCHEMES = {"amqp": "RabbitMQ", "pyamqp": "RabbitMQ", "redis": "Redis"}
+_ENGINES = {"postgresql": "PostgreSQL", "mysql": "MariaDB/MySQL"}
+
+
+def without_services() -> bool:
+    """True in ``make check``: the run must reach no server at all."""
+    return os.environ.get("OUTBOX_TEST_SERVICES") == "none"
+
+
+def in_ci() -> bool:
+    """True in CI, where a missing server fails the run instead of skipping tests."""
+    return os.environ.get("CI") == "true"
+
+
+def needs_services(path: Path, marked: bool) -> bool:
+    """Whether the test in ``path`` needs the servers: by folder, or by its mark."""
+    try:
+        folder = path.resolve().relative_to(TESTS_DIR).parts[0]
+    except (ValueError, IndexError):
+        return marked
+    return marked or folder in SERVICE_FOLDERS
+
+
+@dataclass(frozen=True)
+class Service:
+    """One server the tests talk to."""
+
+    name: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.host}:{self.port}"
+
+
+def _from_url(url: str) -> Service | None:
+    parts = urlsplit(url)
+    name = _SCHEMES.get(parts.scheme)
+    if name is None or not parts.hostname:
+        return None
+    default = 6379 if name == "Redis" else 5672
+    return Service(name, parts.hostname, parts.port or default)
+
+
+def services_of(settings: Any, urls: Iterable[str]) -> list[Service]:
+    """Every server the test project's settings and ``urls`` name, each once."""
+    found: dict[tuple[str, int], Service] = {}
+    for database in settings.DATABASES.values():
+        engine = database["ENGINE"]
+        name = next((n for key, n in _ENGINES.items() if key in engine), None)
+        if name and database.get("HOST"):
+            service = Service(name, database["HOST"], int(database["PORT"]))
+            found.setdefault((service.host, service.port), service)
+    for url in (settings.CELERY_BROKER_URL, settings.CELERY_RESULT_BACKEND, *urls):
+        service = _from_url(url or "")
+        if service is not None:
+            found.setdefault((service.host, service.port), service)
+    return list(found.values())
+
+
+def missing(services: Iterable[Service]) -> list[str]:
+    """One line per server that does not accept a TCP connection, with the reason."""
+    lines = []
+    for service in services:
+        try:
+            socket.create_connection(
+                (service.host, service.port), timeout=PROBE_TIMEOUT
+            ).close()
+        except OSError as exc:
+            lines.append(f"{service} is not answering ({exc.strerror or exc})")
+    return lines
