@@ -34,19 +34,21 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The fast check: lint, types and every test that needs no server (tests/services.py
-# says which; their server addresses point nowhere). No server is needed and nothing
-# is downloaded once the venv exists.
+# The fast check: lint, types, every test that needs no server (tests/services.py says
+# which; their server addresses point nowhere), then the sdist and the wheel built,
+# checked and installed into a fresh venv (scripts/check_package.py). No server is
+# needed and nothing is downloaded once the venv exists.
 check: lint
 	OUTBOX_TEST_SERVICES=none $(BIN)/pytest -q
+	$(BIN)/python scripts/check_package.py
 
 # Everything: the fast check, then the support matrix.
 test: check matrix
 
 # The support matrix (noxfile.py): the whole suite on the newest versions, alone, then
 # the contract tests of every other pair in two parallel streams; every session runs
-# even when an earlier one failed, and any failure fails the target. Lint and types
-# are `check`'s, not repeated here.
+# even when an earlier one failed, and any failure fails the target. Lint, types and
+# the package are `check`'s, not repeated here.
 matrix: $(STAMP) services tools
 	status=0; \
 	$(BIN)/nox -t newest || status=1; \
