@@ -34,12 +34,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The fast check: lint, types, every test that needs no server (tests/services.py says
+# The fast check: lint, types, every test that needs no server (tests/servers.py says
 # which; their server addresses point nowhere), then the sdist and the wheel built,
 # checked and installed into a fresh venv (scripts/check_package.py). No server is
 # needed and nothing is downloaded once the venv exists.
 check: lint
-	OUTBOX_TEST_SERVICES=none $(BIN)/pytest -q
+	OUTBOX_TEST_SERVERS=none $(BIN)/pytest -q
 	$(BIN)/python scripts/check_package.py
 
 # Everything: the fast check, then the support matrix.

@@ -1,8 +1,8 @@
 """Fixtures shared by every test layer, and which tests need a server.
 
 A test under ``tests/integration``, ``tests/e2e``, ``tests/faults`` or ``tests/plugin``
-(or marked ``@pytest.mark.services``) needs PostgreSQL, MariaDB, RabbitMQ and Redis;
-every other test needs none (``tests/services.py``). ``OUTBOX_TEST_SERVICES=none``
+(or marked ``@pytest.mark.servers``) needs PostgreSQL, MariaDB, RabbitMQ and Redis;
+every other test needs none (``tests/servers.py``). ``OUTBOX_TEST_SERVERS=none``
 (``make check``) leaves the first kind out. Otherwise the servers are probed once
 before the first such test: in CI (``CI=true``) a missing one fails the run, elsewhere
 the tests that need it are skipped with a reason that names it.
@@ -16,29 +16,29 @@ from typing import Any
 
 import pytest
 
-from tests import services
+from tests import servers
 
 #: The brokers of the end-to-end tests (nowhere in a run without servers, as the
 #: test project's own addresses).
 BROKER_AMQP = (
     "amqp://guest:guest@127.0.0.1:1//"
-    if services.without_services()
+    if servers.without_servers()
     else "amqp://guest:guest@127.0.0.1:5672//"
 )
 BROKER_REDIS = (
     "redis://127.0.0.1:1/14"
-    if services.without_services()
+    if servers.without_servers()
     else "redis://127.0.0.1:6379/14"
 )
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    if services.without_services():
+    if servers.without_servers():
         return (
-            "OUTBOX_TEST_SERVICES=none: the tests that need a server are left out, and "
+            "OUTBOX_TEST_SERVERS=none: the tests that need a server are left out, and "
             "every server address points at 127.0.0.1:1 (nothing listens there)"
         )
-    return "servers: PostgreSQL, MariaDB, RabbitMQ, Redis (tests/services.py)"
+    return "servers: PostgreSQL, MariaDB, RabbitMQ, Redis (tests/servers.py)"
 
 
 def pytest_collection_modifyitems(
@@ -47,15 +47,15 @@ def pytest_collection_modifyitems(
     needing = [
         item
         for item in items
-        if services.needs_services(
-            item.path, item.get_closest_marker("services") is not None
+        if servers.needs_servers(
+            item.path, item.get_closest_marker("servers") is not None
         )
     ]
     for item in needing:
-        item.add_marker(pytest.mark.services)
+        item.add_marker(pytest.mark.servers)
     if not needing:
         return
-    if services.without_services():
+    if servers.without_servers():
         chosen = set(needing)
         config.hook.pytest_deselected(items=needing)
         items[:] = [item for item in items if item not in chosen]
@@ -66,18 +66,18 @@ def pytest_collection_modifyitems(
 def _require_servers(needing: list[pytest.Item]) -> None:
     from django.conf import settings
 
-    found = services.services_of(settings, (BROKER_AMQP, BROKER_REDIS))
-    problems = services.missing(found)
+    found = servers.servers_of(settings, (BROKER_AMQP, BROKER_REDIS))
+    problems = servers.missing(found)
     if not problems:
         return
-    if services.in_ci():
+    if servers.in_ci():
         raise pytest.UsageError(
             f"{len(needing)} collected test(s) need servers that are not there "
             "(CI=true: a missing server fails the run, it never skips):\n  "
             + "\n  ".join(problems)
             + "\nStart them with `make services`."
         )
-    skip = pytest.mark.skip(reason=f"{'; '.join(problems)}: {services.HOW_TO_START}")
+    skip = pytest.mark.skip(reason=f"{'; '.join(problems)}: {servers.HOW_TO_START}")
     for item in needing:
         item.add_marker(skip)
 
@@ -103,7 +103,7 @@ def _delete_test_queue(
     """Remove this run's RabbitMQ queue, when tests that use the servers ran."""
     yield
     ran_servers = any(
-        item.get_closest_marker("services") and not item.get_closest_marker("skip")
+        item.get_closest_marker("servers") and not item.get_closest_marker("skip")
         for item in request.session.items
     )
     if not ran_servers:

@@ -56,10 +56,10 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # One id per test run, inherited by the relay and worker subprocesses it starts: it
 # names the databases and the queue, so concurrent runs never see each other's data.
 RUN_ID = os.environ.setdefault("OUTBOX_TEST_RUN", uuid.uuid4().hex[:8])
-# OUTBOX_TEST_SERVICES=none (`make check`): every server address below points at a
+# OUTBOX_TEST_SERVERS=none (`make check`): every server address below points at a
 # port nothing listens on, so a test of that run that reaches for a database or a
 # broker fails at once instead of quietly using one that happens to run.
-NO_SERVICES = os.environ.get("OUTBOX_TEST_SERVICES") == "none"
+NO_SERVICES = os.environ.get("OUTBOX_TEST_SERVERS") == "none"
 
 
 def _address(variable: str, default: str, nowhere: str) -> str:

@@ -1,7 +1,7 @@
 """`make check` runs every test that needs no server, and reaches none.
 
-The tests that need a server are those of ``tests/services.py``'s folders (and any
-marked ``services``); with ``OUTBOX_TEST_SERVICES=none`` they are left out and every
+The tests that need a server are those of ``tests/servers.py``'s folders (and any
+marked ``servers``); with ``OUTBOX_TEST_SERVERS=none`` they are left out and every
 server address of the test project points at a port nothing listens on. Elsewhere a
 missing server skips those tests with its name, except in CI, where it fails the run.
 Each check runs pytest or Django in a fresh process, with the environment it is about.
@@ -17,10 +17,10 @@ import sys
 
 import pytest
 
-from tests.services import TESTS_DIR, needs_services
+from tests.servers import TESTS_DIR, needs_servers
 
 ROOT = TESTS_DIR.parent
-#: A test project whose every server is somewhere nothing listens, without OUTBOX_TEST_SERVICES.
+#: A test project whose every server is somewhere nothing listens, without OUTBOX_TEST_SERVERS.
 SERVERS_DOWN = {
     "OUTBOX_PG_PORT": "1",
     "OUTBOX_MYSQL_PORT": "1",
@@ -36,7 +36,7 @@ from django.conf import settings
 from django.db import connections
 from kombu import Connection
 import redis
-from tests import conftest, services
+from tests import conftest, servers
 
 answers = {}
 for alias, database in settings.DATABASES.items():
@@ -59,7 +59,7 @@ for name, url in [("results", settings.CELERY_RESULT_BACKEND), ("e2e redis", con
         answers[name] = "connected"
     except Exception as exc:
         answers[name] = str(exc)
-found = services.services_of(settings, (conftest.BROKER_AMQP, conftest.BROKER_REDIS))
+found = servers.servers_of(settings, (conftest.BROKER_AMQP, conftest.BROKER_REDIS))
 print(json.dumps({"answers": answers, "addresses": [str(s) for s in found]}))
 """
 
@@ -67,7 +67,7 @@ print(json.dumps({"answers": answers, "addresses": [str(s) for s in found]}))
 def run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
     """``argv`` in a fresh process at the repository root, with ``env`` added."""
     environment = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.project.settings"}
-    for name in ("OUTBOX_TEST_SERVICES", "CI", "OUTBOX_TEST_DB", *SERVERS_DOWN):
+    for name in ("OUTBOX_TEST_SERVERS", "CI", "OUTBOX_TEST_DB", *SERVERS_DOWN):
         environment.pop(name, None)
     return subprocess.run(
         argv,
@@ -85,7 +85,7 @@ def pytest_argv(*args: str) -> list[str]:
 
 
 def test_without_servers_every_server_address_is_refused() -> None:
-    done = run([sys.executable, "-c", REACH_EVERY_SERVER], OUTBOX_TEST_SERVICES="none")
+    done = run([sys.executable, "-c", REACH_EVERY_SERVER], OUTBOX_TEST_SERVERS="none")
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     answers = found["answers"]
@@ -124,7 +124,7 @@ def test_without_servers_every_server_address_is_refused() -> None:
 def test_the_folder_or_the_mark_says_a_test_needs_servers(
     path: str, marked: bool, needs: bool
 ) -> None:
-    assert needs_services(TESTS_DIR / path, marked) is needs
+    assert needs_servers(TESTS_DIR / path, marked) is needs
 
 
 def test_without_servers_the_tests_that_need_them_are_left_out() -> None:
@@ -136,7 +136,7 @@ def test_without_servers_the_tests_that_need_them_are_left_out() -> None:
             "tests/integration/test_checks.py",
             "tests/plugin/test_entry_point.py",
         ),
-        OUTBOX_TEST_SERVICES="none",
+        OUTBOX_TEST_SERVERS="none",
     )
     assert done.returncode == 0, done.stdout + done.stderr
     ids = [line for line in done.stdout.splitlines() if "::" in line]

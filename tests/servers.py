@@ -1,9 +1,9 @@
 """Which tests need a server (a database, a broker), and whether those servers answer.
 
-The rule is the folder: every test under one of :data:`SERVICE_FOLDERS` needs the
-services, and so does a test anywhere else marked ``@pytest.mark.services``. Every
+The rule is the folder: every test under one of :data:`SERVER_FOLDERS` needs the
+servers, and so does a test anywhere else marked ``@pytest.mark.servers``. Every
 other test (``tests/unit``, the in-memory runs of ``tests/contract``, any new folder)
-needs none: ``make check`` runs them with ``OUTBOX_TEST_SERVICES=none``, where the
+needs none: ``make check`` runs them with ``OUTBOX_TEST_SERVERS=none``, where the
 test project's every server address points at a port nothing listens on
 (``tests/project/settings.py``), so a test there that reaches for a server fails
 instead of quietly using one that happens to run.
@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 TESTS_DIR = Path(__file__).resolve().parent
 #: The folders whose tests need PostgreSQL, MariaDB, RabbitMQ and Redis.
-SERVICE_FOLDERS = ("integration", "e2e", "faults", "plugin")
+SERVER_FOLDERS = ("integration", "e2e", "faults", "plugin")
 #: How long a server may take to accept a connection before it counts as missing.
 PROBE_TIMEOUT = 2.0
 #: What a contributor does about a missing server.
@@ -34,9 +34,9 @@ _SCHEMES = {"amqp": "RabbitMQ", "pyamqp": "RabbitMQ", "redis": "Redis"}
 _ENGINES = {"postgresql": "PostgreSQL", "mysql": "MariaDB/MySQL"}
 
 
-def without_services() -> bool:
+def without_servers() -> bool:
     """True in ``make check``: the run must reach no server at all."""
-    return os.environ.get("OUTBOX_TEST_SERVICES") == "none"
+    return os.environ.get("OUTBOX_TEST_SERVERS") == "none"
 
 
 def in_ci() -> bool:
@@ -44,17 +44,17 @@ def in_ci() -> bool:
     return os.environ.get("CI") == "true"
 
 
-def needs_services(path: Path, marked: bool) -> bool:
+def needs_servers(path: Path, marked: bool) -> bool:
     """Whether the test in ``path`` needs the servers: by folder, or by its mark."""
     try:
         folder = path.resolve().relative_to(TESTS_DIR).parts[0]
     except (ValueError, IndexError):
         return marked
-    return marked or folder in SERVICE_FOLDERS
+    return marked or folder in SERVER_FOLDERS
 
 
 @dataclass(frozen=True)
-class Service:
+class Server:
     """One server the tests talk to."""
 
     name: str
@@ -65,39 +65,39 @@ class Service:
         return f"{self.name} at {self.host}:{self.port}"
 
 
-def _from_url(url: str) -> Service | None:
+def _from_url(url: str) -> Server | None:
     parts = urlsplit(url)
     name = _SCHEMES.get(parts.scheme)
     if name is None or not parts.hostname:
         return None
     default = 6379 if name == "Redis" else 5672
-    return Service(name, parts.hostname, parts.port or default)
+    return Server(name, parts.hostname, parts.port or default)
 
 
-def services_of(settings: Any, urls: Iterable[str]) -> list[Service]:
+def servers_of(settings: Any, urls: Iterable[str]) -> list[Server]:
     """Every server the test project's settings and ``urls`` name, each once."""
-    found: dict[tuple[str, int], Service] = {}
+    found: dict[tuple[str, int], Server] = {}
     for database in settings.DATABASES.values():
         engine = database["ENGINE"]
         name = next((n for key, n in _ENGINES.items() if key in engine), None)
         if name and database.get("HOST"):
-            service = Service(name, database["HOST"], int(database["PORT"]))
-            found.setdefault((service.host, service.port), service)
+            server = Server(name, database["HOST"], int(database["PORT"]))
+            found.setdefault((server.host, server.port), server)
     for url in (settings.CELERY_BROKER_URL, settings.CELERY_RESULT_BACKEND, *urls):
-        service = _from_url(url or "")
-        if service is not None:
-            found.setdefault((service.host, service.port), service)
+        server = _from_url(url or "")
+        if server is not None:
+            found.setdefault((server.host, server.port), server)
     return list(found.values())
 
 
-def missing(services: Iterable[Service]) -> list[str]:
+def missing(servers: Iterable[Server]) -> list[str]:
     """One line per server that does not accept a TCP connection, with the reason."""
     lines = []
-    for service in services:
+    for server in servers:
         try:
             socket.create_connection(
-                (service.host, service.port), timeout=PROBE_TIMEOUT
+                (server.host, server.port), timeout=PROBE_TIMEOUT
             ).close()
         except OSError as exc:
-            lines.append(f"{service} is not answering ({exc.strerror or exc})")
+            lines.append(f"{server} is not answering ({exc.strerror or exc})")
     return lines
