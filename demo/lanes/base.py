@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 
 class RollBack(Exception):
@@ -22,6 +23,17 @@ class Row:
 def median_max_ms(values: list[float]) -> str:
     """``"p50 / max ms"`` of ``values`` (milliseconds), or ``-`` when there are none."""
     return f"{statistics.median(values):.0f} / {max(values):.0f} ms" if values else "-"
+
+
+def runs_by_key(lane: str, *fields: str) -> dict[str, list[tuple[Any, ...]]]:
+    """``key -> [(fields) of each run]`` of ``lane``'s ``Run`` rows, in the order they ran."""
+    from demo.shop.models import Run
+
+    runs: dict[str, list[tuple[Any, ...]]] = {}
+    rows = Run.objects.filter(lane=lane).order_by("id").values_list("key", *fields)
+    for key, *values in rows:
+        runs.setdefault(key, []).append(tuple(values))
+    return runs
 
 
 class Lane:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from .base import Lane, RollBack, Row, median_max_ms
+from .base import Lane, RollBack, Row, median_max_ms, runs_by_key
 
 
 @dataclass
@@ -52,16 +52,7 @@ class HandlerOutbox(Lane):
             self.done_on_return += Run.objects.filter(lane="handler", key=shard).count()
 
     def collect(self) -> None:
-        from demo.shop.models import Run
-
-        runs: dict[str, list[tuple[int, datetime]]] = {}
-        for shard, seq, executed_at in (
-            Run.objects.filter(lane="handler")
-            .order_by("id")
-            .values_list("key", "seq", "executed_at")
-        ):
-            runs.setdefault(shard, []).append((seq, executed_at))
-        self.runs = runs
+        self.runs = runs_by_key("handler", "seq", "executed_at")
 
     def _in_order(self, shard: str) -> bool:
         return [seq for seq, _ in self.runs.get(shard, [])] == list(

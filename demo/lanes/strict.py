@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .base import Lane, RollBack, Row
+from .base import Lane, RollBack, Row, runs_by_key
 
 
 @dataclass
@@ -42,16 +42,7 @@ class StrictOrder(Lane):
                 self.committed.append(parcel)
 
     def collect(self) -> None:
-        from demo.shop.models import Run
-
-        runs: dict[str, list[tuple[int, int]]] = {}
-        for parcel, step, behind in (
-            Run.objects.filter(lane="strict")
-            .order_by("id")
-            .values_list("key", "seq", "behind")
-        ):
-            runs.setdefault(parcel, []).append((step, behind))
-        self.runs = runs
+        self.runs = runs_by_key("strict", "seq", "behind")
 
     def complete(self) -> bool:
         return all(len(self.runs.get(p, [])) >= self.steps for p in self.committed)
