@@ -1,8 +1,9 @@
 """Fixtures shared by every test layer, and which tests need a server.
 
 A test under ``tests/integration``, ``tests/e2e``, ``tests/faults`` or ``tests/plugin``
-(or marked ``@pytest.mark.servers``) needs PostgreSQL, MariaDB, RabbitMQ and Redis;
-every other test needs none (``tests/servers.py``). ``OUTBOX_TEST_SERVERS=none``
+(or marked ``@pytest.mark.servers``, or using Django's test database) needs
+PostgreSQL, MariaDB, RabbitMQ and Redis; every other test needs none
+(``tests/servers.py``), and ``tests/unit`` must hold no other kind. ``OUTBOX_TEST_SERVERS=none``
 (``make check``) leaves the first kind out. Otherwise the servers are probed once
 before the first such test: in CI (``CI=true``) a missing one fails the run, elsewhere
 the tests that need it are skipped with a reason that names it.
@@ -48,7 +49,9 @@ def pytest_collection_modifyitems(
         item
         for item in items
         if servers.needs_servers(
-            item.path, item.get_closest_marker("servers") is not None
+            item.path,
+            (mark.name for mark in item.iter_markers()),
+            getattr(item, "fixturenames", ()),
         )
     ]
     for item in needing:
@@ -56,11 +59,26 @@ def pytest_collection_modifyitems(
     if not needing:
         return
     if servers.without_servers():
+        _refuse_unit_tests_that_need_servers(needing)
         chosen = set(needing)
         config.hook.pytest_deselected(items=needing)
         items[:] = [item for item in items if item not in chosen]
         return
     _require_servers(needing)
+
+
+def _refuse_unit_tests_that_need_servers(needing: list[pytest.Item]) -> None:
+    misplaced = [
+        item.nodeid
+        for item in needing
+        if servers.folder_of(item.path) == servers.NO_SERVER_FOLDER
+    ]
+    if misplaced:
+        raise pytest.UsageError(
+            f"tests/{servers.NO_SERVER_FOLDER} is for tests that need no server, but "
+            "these use Django's test database or are marked servers; move them to "
+            "tests/integration:\n  " + "\n  ".join(misplaced)
+        )
 
 
 def _require_servers(needing: list[pytest.Item]) -> None:

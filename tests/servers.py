@@ -1,9 +1,9 @@
 """Which tests need a server (a database, a broker), and whether those servers answer.
 
 The rule is the folder: every test under one of :data:`SERVER_FOLDERS` needs the
-servers, and so does a test anywhere else marked ``@pytest.mark.servers``. Every
-other test (``tests/unit``, the in-memory runs of ``tests/contract``, any new folder)
-needs none: ``make check`` runs them with ``OUTBOX_TEST_SERVERS=none``, where the
+servers, and so does a test anywhere else marked ``@pytest.mark.servers`` or using
+Django's test database. Every other test (``tests/unit``, the in-memory runs of
+``tests/contract``, any new folder) needs none: ``make check`` runs them with ``OUTBOX_TEST_SERVERS=none``, where the
 test project's every server address points at a port nothing listens on
 (``tests/project/settings.py``), so a test there that reaches for a server fails
 instead of quietly using one that happens to run.
@@ -22,6 +22,19 @@ from urllib.parse import urlsplit
 TESTS_DIR = Path(__file__).resolve().parent
 #: The folders whose tests need PostgreSQL, MariaDB, RabbitMQ and Redis.
 SERVER_FOLDERS = ("integration", "e2e", "faults", "plugin")
+#: pytest-django's fixtures that open the test database (on PostgreSQL by default).
+DATABASE_FIXTURES = frozenset(
+    {
+        "db",
+        "transactional_db",
+        "django_db_reset_sequences",
+        "django_db_serialized_rollback",
+        "django_db_setup",
+        "live_server",
+    }
+)
+#: The folder that must hold no test that needs a server.
+NO_SERVER_FOLDER = "unit"
 #: How long a server may take to accept a connection before it counts as missing.
 PROBE_TIMEOUT = 2.0
 #: What a contributor does about a missing server.
@@ -44,13 +57,27 @@ def in_ci() -> bool:
     return os.environ.get("CI") == "true"
 
 
-def needs_servers(path: Path, marked: bool) -> bool:
-    """Whether the test in ``path`` needs the servers: by folder, or by its mark."""
+def folder_of(path: Path) -> str:
+    """The folder of ``tests`` that holds ``path`` ("" outside ``tests``)."""
     try:
-        folder = path.resolve().relative_to(TESTS_DIR).parts[0]
+        return path.resolve().relative_to(TESTS_DIR).parts[0]
     except (ValueError, IndexError):
-        return marked
-    return marked or folder in SERVER_FOLDERS
+        return ""
+
+
+def needs_servers(path: Path, marks: Iterable[str], fixtures: Iterable[str]) -> bool:
+    """Whether the test in ``path`` needs the servers.
+
+    By its folder, by the ``servers`` mark, or because it uses Django's test database
+    (the ``django_db`` mark or one of :data:`DATABASE_FIXTURES`): a contract run on
+    the in-memory fakes and on the databases is split that way by itself.
+    """
+    marks = set(marks)
+    return (
+        folder_of(path) in SERVER_FOLDERS
+        or bool(marks & {"servers", "django_db"})
+        or bool(DATABASE_FIXTURES & set(fixtures))
+    )
 
 
 @dataclass(frozen=True)

@@ -108,23 +108,26 @@ def test_without_servers_every_server_address_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "marked", "needs"),
+    ("path", "marks", "fixtures", "needs"),
     [
-        ("integration/test_store.py", False, True),
-        ("e2e/test_delivery.py", False, True),
-        ("faults/test_faults.py", False, True),
-        ("plugin/test_fixtures.py", False, True),
-        ("unit/test_core.py", False, False),
-        ("contract/test_roles.py", False, False),
-        # A new folder needs no server until its tests say so.
-        ("newfolder/test_new.py", False, False),
-        ("unit/test_core.py", True, True),
+        ("integration/test_store.py", (), (), True),
+        ("e2e/test_delivery.py", (), (), True),
+        ("faults/test_faults.py", (), (), True),
+        ("plugin/test_fixtures.py", (), (), True),
+        ("unit/test_core.py", ("parametrize",), ("clock",), False),
+        ("contract/test_roles.py", (), ("store",), False),
+        # A new folder needs no server until its tests say so, or use the database.
+        ("newfolder/test_new.py", (), (), False),
+        ("unit/test_core.py", ("servers",), (), True),
+        ("contract/test_roles.py", ("django_db",), (), True),
+        ("contract/test_roles.py", (), ("transactional_db",), True),
+        ("demo/test_demo.py", (), ("tmp_path",), False),
     ],
 )
-def test_the_folder_or_the_mark_says_a_test_needs_servers(
-    path: str, marked: bool, needs: bool
+def test_the_folder_the_mark_or_the_database_says_a_test_needs_servers(
+    path: str, marks: tuple[str, ...], fixtures: tuple[str, ...], needs: bool
 ) -> None:
-    assert needs_servers(TESTS_DIR / path, marked) is needs
+    assert needs_servers(TESTS_DIR / path, marks, fixtures) is needs
 
 
 def test_without_servers_the_tests_that_need_them_are_left_out() -> None:
