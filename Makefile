@@ -1,11 +1,12 @@
-# One entry per job. `make test` builds its own virtual environment first; lint runs
-# in it, and nox (noxfile.py) builds one more per session of the support matrix.
+# One entry per job. `make check` and `make test` build their own virtual environment
+# first; `check` runs in it, and nox (noxfile.py) builds one more per session of the
+# support matrix.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench services tools clean matrix-1 matrix-2
+.PHONY: demo check test matrix lint bench services tools clean matrix-1 matrix-2
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +34,22 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The fast check: lint, types, every test that needs no server (tests/servers.py says
+# which; their server addresses point nowhere), then the sdist and the wheel built,
+# checked and installed into a fresh venv (scripts/check_package.py). No server is
+# needed and nothing is downloaded once the venv exists.
+check: lint
+	OUTBOX_TEST_SERVERS=none $(BIN)/pytest -q
+	$(BIN)/python scripts/check_package.py
+
+# Everything: the fast check, then the support matrix.
+test: check matrix
+
 # The support matrix (noxfile.py): the whole suite on the newest versions, alone, then
 # the contract tests of every other pair in two parallel streams; every session runs
-# even when an earlier one failed, and any failure fails the target.
-test: $(STAMP) services tools lint
+# even when an earlier one failed, and any failure fails the target. Lint, types and
+# the package are `check`'s, not repeated here.
+matrix: $(STAMP) services tools
 	status=0; \
 	$(BIN)/nox -t newest || status=1; \
 	$(MAKE) --no-print-directory -k -j2 --output-sync matrix-1 matrix-2 || status=1; \

@@ -2,7 +2,8 @@
 
 The newest combination runs the whole suite; every other pair runs the contract tests;
 the oldest installs the lowest version of every dependency ``pyproject.toml`` declares.
-``make test`` runs the newest session, then the others in two streams at once;
+``make matrix`` (the second half of ``make test``, after ``make check``) runs the
+newest session, then the others in two streams at once;
 ``.venv/bin/nox`` runs them all one after the other, ``nox -l`` lists them and
 ``nox -s 'tests(python=3.13, django=6.1, celery=5.7)'`` runs one.
 ``tests/unit/test_packaging.py`` checks that the ranges ``pyproject.toml`` declares
@@ -58,7 +59,7 @@ CONTRACT_TESTS = (
     "tests/unit/test_redis_check.py",
     "tests/integration/test_redis_publisher.py",
 )
-#: ``make test`` runs the newest session alone (its fault tests stop RabbitMQ), then the
+#: ``make matrix`` runs the newest session alone (its fault tests stop RabbitMQ), then the
 #: others in this many parallel streams (tags ``stream-1`` ...; the Makefile names them).
 STREAMS = 2
 #: The extras whose lower bounds the oldest session installs, besides the core.

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import django
+from celery.signals import worker_ready
 
 #: The demo package; its ``var/`` folder is recreated on every run.
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -91,3 +92,18 @@ def redact(url: str) -> str:
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""
     return parts._replace(netloc=f"{user}:***@{host}{port}").geturl()
+
+
+def ready_file(app_name: str) -> Path:
+    """Touched by the worker of app ``app_name`` once it consumes."""
+    return var_dir() / f"{app_name}.ready"
+
+
+def announce_when_ready(app: Any) -> None:
+    """Touch ``app``'s ready file when its worker starts consuming (the driver waits)."""
+
+    def touch(sender: Any = None, **_: Any) -> None:
+        if sender is not None and sender.app is app:
+            ready_file(app.main).touch()
+
+    worker_ready.connect(touch, weak=False)

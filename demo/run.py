@@ -1,186 +1,48 @@
-"""The demo driver: a real relay, a real worker, orders placed and some rolled back.
+"""The demo driver: a real relay, real workers, every lane's work placed and checked.
 
 Steps: recreate ``demo/var``; migrate; start ``manage.py outbox relay`` and a Celery
-worker as subprocesses; place orders, each in its own ``transaction.atomic()`` that
-saves the order and calls ``send_receipt.delay(order.id)``, rolling back every Nth;
-wait until every committed order's receipt ran, then a little longer; print what
-happened and exit 0 only if the guarantee held.
+worker as subprocesses (and, on RabbitMQ or Redis, one worker per service that
+receives events); place each lane's work (``demo/lanes/``), each unit in its own
+transaction, rolling some back; wait until everything committed has run, then a
+little longer; print one table of what ran and exit 0 only if every promise held.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
 import shutil
 import signal
 import sqlite3
-import statistics
-import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from demo.config import PACKAGE_DIR, redact, var_dir
+from demo.config import ready_file, redact, var_dir
+from demo.lanes import Events, HandlerOutbox, Inbox, Lane, Row, StrictOrder, Tasks
+from demo.processes import (
+    SETTINGS_MODULE,
+    Child,
+    DemoFailed,
+    start_relay,
+    start_worker,
+    stop_all,
+    wait_until_ready,
+)
 
-REPO_ROOT = PACKAGE_DIR.parent
-SETTINGS_MODULE = "demo.settings"
-
-
-class DemoFailed(Exception):
-    """The demo could not run (a process died, something timed out)."""
+#: The services that receive the demo's events, each with its app module.
+SERVICES = {"billing": "demo.billing", "shipping": "demo.shipping"}
+#: What to run to see events, when the broker cannot route them.
+EVENTS_ELSEWHERE = "CELERY_BROKER_URL=redis://127.0.0.1:6379/0 .venv/bin/python -m demo"
 
 
 class Abort(BaseException):
     """SIGTERM to the driver: unwind through ``finally`` like Ctrl-C does."""
-
-
-@dataclass
-class Outcome:
-    """What the demo placed and what the worker did with it."""
-
-    committed: dict[str, datetime] = field(
-        default_factory=dict
-    )  # task id -> commit time
-    rolled_back: set[str] = field(default_factory=set)  # task ids
-    runs: dict[str, list[datetime]] = field(
-        default_factory=dict
-    )  # task id -> executions
-    foreign: int = 0  # receipts of tasks this run did not send
-    outbox_left: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def executed(self) -> int:
-        return sum(1 for task_id in self.committed if self.runs.get(task_id))
-
-    @property
-    def never_executed(self) -> int:
-        return sum(1 for task_id in self.rolled_back if not self.runs.get(task_id))
-
-    @property
-    def duplicates(self) -> int:
-        return sum(len(times) - 1 for times in self.runs.values() if len(times) > 1)
-
-    @property
-    def latencies_ms(self) -> list[float]:
-        return [
-            (self.runs[task_id][0] - committed_at).total_seconds() * 1000
-            for task_id, committed_at in self.committed.items()
-            if self.runs.get(task_id)
-        ]
-
-    @property
-    def held(self) -> bool:
-        return (
-            self.executed == len(self.committed)
-            and self.never_executed == len(self.rolled_back)
-            and self.duplicates == 0
-        )
-
-
-# -- processes ---------------------------------------------------------------------
-
-
-class Child:
-    """A subprocess with its output in a log file under ``demo/var``."""
-
-    def __init__(self, name: str, argv: list[str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        env = dict(
-            os.environ, DJANGO_SETTINGS_MODULE=SETTINGS_MODULE, PYTHONUNBUFFERED="1"
-        )
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
-        self._log_file = log.open("wb")
-        # A session of its own: Ctrl-C reaches only the driver, which then stops the
-        # children in order (relay first, then the worker).
-        self.process = subprocess.Popen(
-            argv,
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    @property
-    def running(self) -> bool:
-        return self.process.poll() is None
-
-    def check_alive(self) -> None:
-        code = self.process.poll()
-        if code is not None:
-            raise DemoFailed(f"the {self.name} exited with code {code}:\n{self.tail()}")
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.running:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                print(f"  {self.name} did not stop within {timeout:.0f} s; killing it")
-                self.process.kill()
-                self.process.wait()
-        self._log_file.close()
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return "    (no log)"
-        return "\n".join(f"    | {line}" for line in text) or "    (empty log)"
-
-
-def stop_all(children: list[Child]) -> None:
-    """Relay first (nothing new reaches the broker), then the worker (warm shutdown)."""
-    quiet = not any(child.running for child in children)
-    started = time.monotonic()
-    if not quiet:
-        print("Stopping the relay and the worker ...", end=" ", flush=True)
-    for child in children:
-        child.stop()
-    if not quiet:
-        print(f"done ({time.monotonic() - started:.1f} s).")
-
-
-def start_relay(var: Path) -> Child:
-    argv = [sys.executable, "-m", "django", "outbox", "relay"]
-    argv += ["--liveness-file", str(var / "relay.alive")]
-    return Child("relay", argv, var / "relay.log")
-
-
-def start_worker(var: Path, queue: str) -> Child:
-    argv = [sys.executable, "-m", "celery", "-A", "demo.celery", "worker"]
-    argv += ["--pool", "solo", "--loglevel", "warning", "--hostname", f"{queue}@%h"]
-    argv += ["--without-mingle", "--without-gossip", "--without-heartbeat"]
-    return Child("worker", argv, var / "worker.log")
-
-
-def wait_until_ready(children: list[Child], files: list[Path], timeout: float) -> float:
-    """Wait for the relay's liveness file and the worker's ready file."""
-    started = time.monotonic()
-    while not all(path.exists() for path in files):
-        for child in children:
-            child.check_alive()
-        if time.monotonic() - started > timeout:
-            missing = ", ".join(p.name for p in files if not p.exists())
-            logs = "\n".join(f"  {c.name} log:\n{c.tail()}" for c in children)
-            raise DemoFailed(
-                f"not ready after {timeout:.0f} s (missing {missing}).\n{logs}"
-            )
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 # -- the database --------------------------------------------------------------------
@@ -209,6 +71,8 @@ def make_broker_folders(settings: Any) -> None:
 
 def enable_wal(path: Path) -> None:
     """Switch a new SQLite file to WAL once: readers and the writer stop blocking each other."""
+    import contextlib
+
     with contextlib.closing(sqlite3.connect(path)) as connection:
         connection.execute("PRAGMA journal_mode=WAL")
 
@@ -227,8 +91,10 @@ def migrate_and_reset() -> None:
     from django.db import Error as DatabaseError
     from django.db import transaction
 
+    from celery_outbox.handlers.models import HandlerMessage
     from celery_outbox.models import DeadLetter, OutboxMessage
-    from demo.shop.models import Order, Receipt
+    from demo.shop.models import Order, Receipt, Run
+    from demo.shop.receivers import PARCEL_NOTE
 
     try:
         call_command("migrate", verbosity=0, interactive=False)
@@ -238,10 +104,12 @@ def migrate_and_reset() -> None:
         ) from exc
     with transaction.atomic():
         Receipt.objects.all().delete()
+        Run.objects.all().delete()
         Order.objects.all().delete()
         # Only the demo's own messages: the database may hold other projects' rows.
-        OutboxMessage.objects.filter(task_name="demo.send_receipt").delete()
-        DeadLetter.objects.filter(task_name="demo.send_receipt").delete()
+        OutboxMessage.objects.filter(task_name__startswith="demo.").delete()
+        DeadLetter.objects.filter(task_name__startswith="demo.").delete()
+        HandlerMessage.objects.filter(category=PARCEL_NOTE).delete()
 
 
 def describe_backends(settings: Any) -> tuple[str, str]:
@@ -263,6 +131,18 @@ def describe_backends(settings: Any) -> tuple[str, str]:
     return db, f"{broker}, queue {settings.DEMO_QUEUE}"
 
 
+def events_unavailable(settings: Any) -> str:
+    """How to see events when this broker cannot route them ("" when it can)."""
+    scheme = settings.CELERY_BROKER_URL.split("://", 1)[0].split("+", 1)[-1]
+    if scheme in {"amqp", "amqps", "pyamqp", "redis", "rediss"}:
+        return ""
+    return (
+        "Events need RabbitMQ or Redis (a topic exchange the relay and the services' "
+        f"workers share). To see them: {EVENTS_ELSEWHERE} (the venv of `make check`, "
+        "which has redis-py), or amqp://guest:guest@127.0.0.1:5672// for RabbitMQ."
+    )
+
+
 def _relative(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
@@ -270,60 +150,16 @@ def _relative(path: Path) -> str:
         return str(path)
 
 
-# -- the business part ---------------------------------------------------------------
+# -- running ---------------------------------------------------------------------------
 
 
-class RollBack(Exception):
-    """Raised inside ``atomic()`` to abandon an order, as a failed payment would."""
-
-
-def place_orders(count: int, rollback_every: int, outcome: Outcome) -> None:
-    """Each order in its own transaction; every ``rollback_every``-th one fails."""
-    from django.db import transaction
-    from django.utils import timezone
-
-    from demo.shop.models import Order
-    from demo.shop.tasks import send_receipt
-
-    for n in range(1, count + 1):
-        fail = rollback_every > 0 and n % rollback_every == 0
-        task_id = ""
-        try:
-            with transaction.atomic():
-                order = Order.objects.create(
-                    number=f"A-{n:04d}", total_cents=1000 + 37 * n
-                )
-                task_id = send_receipt.delay(order.id).id
-                if fail:
-                    raise RollBack(order.number)
-        except RollBack:
-            outcome.rolled_back.add(task_id)
-        else:
-            outcome.committed[task_id] = timezone.now()
-
-
-def collect_runs(outcome: Outcome) -> None:
-    from demo.shop.models import Receipt
-
-    ours = outcome.committed.keys() | outcome.rolled_back
-    runs: dict[str, list[datetime]] = {}
-    foreign = 0
-    for task_id, executed_at in Receipt.objects.order_by("id").values_list(
-        "task_id", "executed_at"
-    ):
-        if task_id in ours:
-            runs.setdefault(task_id, []).append(executed_at)
-        else:
-            foreign += 1
-    outcome.runs, outcome.foreign = runs, foreign
-
-
-def wait_for_receipts(outcome: Outcome, children: list[Child], timeout: float) -> float:
-    """Until every committed order's receipt ran (or ``timeout``); returns the time taken."""
+def wait_for(lanes: list[Lane], children: list[Child], timeout: float) -> float:
+    """Until every lane's committed work ran (or ``timeout``); returns the time taken."""
     started = time.monotonic()
     while True:
-        collect_runs(outcome)
-        if outcome.executed == len(outcome.committed):
+        for lane in lanes:
+            lane.collect()
+        if all(lane.complete() for lane in lanes):
             return time.monotonic() - started
         for child in children:
             child.check_alive()
@@ -340,63 +176,39 @@ def outbox_stats() -> dict[str, Any]:
     return dict(json.loads(out.getvalue()))
 
 
+def handler_messages_waiting() -> int:
+    from celery_outbox.handlers.models import HandlerMessage
+    from demo.shop.receivers import PARCEL_NOTE
+
+    return HandlerMessage.objects.filter(category=PARCEL_NOTE).count()
+
+
 # -- output ----------------------------------------------------------------------------
 
 
-def report(outcome: Outcome, out: TextIO = sys.stdout) -> None:
-    committed, rolled_back = len(outcome.committed), len(outcome.rolled_back)
-    latencies = outcome.latencies_ms
-    rows = [
-        ("orders committed", str(committed), ""),
-        ("orders rolled back", str(rolled_back), ""),
-        (
-            "receipts executed (of committed)",
-            f"{outcome.executed} / {committed}",
-            "all",
-        ),
-        (
-            "receipts never executed (of rolled back)",
-            f"{outcome.never_executed} / {rolled_back}",
-            "all",
-        ),
-        ("duplicate executions", str(outcome.duplicates), "0"),
-    ]
-    if latencies:
-        rows.append(
-            ("commit -> execution, p50", f"{statistics.median(latencies):.0f} ms", "")
-        )
-        rows.append(("commit -> execution, max", f"{max(latencies):.0f} ms", ""))
-    pending = outcome.outbox_left.get("pending")
-    if pending is not None:
-        rows.append(("outbox rows still pending", str(pending), "0"))
-    width = max(len(label) for label, _, _ in rows)
-    values = max(len(value) for _, value, _ in rows)
+def report(lanes: list[Lane], left: list[Row], out: TextIO = sys.stdout) -> None:
+    """One table: each lane's title, then its rows (what was sent, what ran)."""
+    rows = [row for lane in lanes for row in lane.rows()] + left
+    width = max(len(row.label) for row in rows) + 2
+    values = max(len(row.result) for row in rows)
     print(f"\n  {'':<{width}}  {'result':>{values}}  expected", file=out)
-    for label, value, expected in rows:
-        print(f"  {label:<{width}}  {value:>{values}}  {expected}".rstrip(), file=out)
-    if outcome.foreign:
-        print(
-            f"\n  ({outcome.foreign} receipt(s) from tasks of another run ignored)",
-            file=out,
-        )
+    for lane in [*lanes, None]:
+        print(f"  {lane.title if lane else 'left over'}", file=out)
+        for row in lane.rows() if lane else left:
+            line = (
+                f"    {row.label:<{width - 2}}  {row.result:>{values}}  {row.expected}"
+            )
+            print(line.rstrip(), file=out)
 
 
-def verdict(outcome: Outcome) -> str:
-    if outcome.held:
-        return (
-            "Guarantee held: every committed order got exactly one receipt, and no "
-            "rolled-back order got one."
+def verdict(lanes: list[Lane]) -> tuple[bool, str]:
+    problems = [problem for lane in lanes for problem in lane.problems()]
+    if not problems:
+        return True, (
+            "Every promise held: each committed unit of work ran once (in order where "
+            "asked), and nothing of a rolled-back transaction ran."
         )
-    problems = []
-    missing = len(outcome.committed) - outcome.executed
-    if missing:
-        problems.append(f"{missing} committed order(s) never got their receipt")
-    leaked = len(outcome.rolled_back) - outcome.never_executed
-    if leaked:
-        problems.append(f"{leaked} rolled-back order(s) got a receipt anyway")
-    if outcome.duplicates:
-        problems.append(f"{outcome.duplicates} receipt(s) ran more than once")
-    return "GUARANTEE BROKEN: " + "; ".join(problems) + "."
+    return False, "BROKEN: " + "; ".join(problems) + "."
 
 
 # -- main ------------------------------------------------------------------------------
@@ -417,13 +229,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--timeout",
         type=float,
         default=60.0,
-        help="seconds to wait for the receipts (60)",
+        help="seconds to wait for everything committed to run (60)",
     )
     parser.add_argument(
         "--grace",
         type=float,
         default=2.0,
-        help="seconds to keep watching for receipts that must never come (2)",
+        help="seconds to keep watching for runs that must never come (2)",
     )
     args = parser.parse_args(argv)
     if (
@@ -438,21 +250,86 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _ordinal(n: int) -> str:
-    suffix = (
-        "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    )
-    return f"{n}{suffix}"
-
-
 def _raise_abort(signum: int, _frame: FrameType | None) -> None:
     raise Abort(signum)
+
+
+def start_processes(var: Path, queue: str, with_events: bool) -> list[Child]:
+    """The relay, the tasks' worker and (with events) one worker per service, ready."""
+    children = [start_relay(var), start_worker(var, "demo.celery", queue)]
+    ready = [var / "relay.alive", ready_file("demo")]
+    if with_events:
+        for service, module in SERVICES.items():
+            children.append(start_worker(var, module, queue, name=service))
+            ready.append(ready_file(f"demo-{service}"))
+    took = wait_until_ready(children, ready, 30.0)
+    names = ", ".join(child.name for child in children)
+    print(f"\nProcesses up: {names} ({took:.1f} s).")
+    return children
+
+
+def run(args: argparse.Namespace, var: Path, queue: str, settings: Any) -> int:
+    unavailable = events_unavailable(settings)
+    lanes: list[Lane] = [
+        Tasks(orders=args.orders, rollback_every=args.rollback_every),
+        StrictOrder(),
+        HandlerOutbox(),
+        Inbox(),
+        Events(unavailable=unavailable),
+    ]
+    children: list[Child] = []
+    try:
+        migrate_and_reset()
+        children = start_processes(var, queue, with_events=not unavailable)
+        print(
+            "Placing each lane's work, one transaction per unit, some rolled back ..."
+        )
+        for lane in lanes:
+            lane.place()
+        took = wait_for(lanes, children, args.timeout)
+        if all(lane.complete() for lane in lanes):
+            print(f"Everything committed has run ({took:.1f} s).")
+        else:
+            print(f"Gave up waiting after {took:.0f} s.")
+        print(f"Watching {args.grace:g} s more for runs that must never come ...")
+        time.sleep(args.grace)
+        for lane in lanes:
+            lane.collect()
+        pending = outbox_stats().get("pending")
+        waiting = handler_messages_waiting()
+        stop_all(children)
+        left = [
+            Row("outbox rows still pending", str(pending), "0"),
+            Row("handler outbox messages still waiting", str(waiting), "0"),
+        ]
+        report(lanes, left)
+        held, text = verdict(lanes)
+        held = held and pending == 0 and waiting == 0
+        if unavailable:
+            print(f"\n{unavailable}")
+        print(f"\n{text}")
+        if not held:
+            logs = "\n".join(f"  {c.name} log:\n{c.tail()}" for c in children)
+            print(f"\n{logs}", file=sys.stderr)
+            return 1
+        print(
+            "\nThe code: each lane's transactions in demo/lanes/ (place), the tasks in "
+            "demo/shop/tasks.py, the receiver in demo/shop/receivers.py, the event in "
+            "demo/shop/events.py and its services in demo/services.py.\nWhich lane "
+            "for which job: docs/choosing.md. Your own project: docs/quickstart.md."
+        )
+        return 0
+    finally:
+        # Ctrl-C once more must not leave a process behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_all(children)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     var = var_dir()
-    # A queue of its own for this run, inherited by the relay and the worker.
+    # A queue of its own for this run, inherited by the relay and the workers.
     queue = f"celery-outbox-demo-{uuid.uuid4().hex[:8]}"
     os.environ["DEMO_QUEUE"] = queue
     prepare_var(var)
@@ -461,62 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     setup_django()
     from django.conf import settings
 
-    from demo.celery import READY_FILE
-
     make_broker_folders(settings)
     database, broker = describe_backends(settings)
     print("celery-outbox demo")
     print(f"  database  {database}")
     print(f"  broker    {broker}")
-    print(f"  logs      {_relative(var)}/relay.log, {_relative(var)}/worker.log")
+    print(f"  logs      {_relative(var)}/*.log")
 
     previous_term = signal.signal(signal.SIGTERM, _raise_abort)
     previous_int = signal.getsignal(signal.SIGINT)
-    children: list[Child] = []
     try:
-        migrate_and_reset()
-        children.append(start_relay(var))
-        children.append(start_worker(var, queue))
-        took = wait_until_ready(children, [var / "relay.alive", var / READY_FILE], 30.0)
-        print(f"\nRelay and worker are up ({took:.1f} s).")
-
-        outcome = Outcome()
-        plan = f"Placing {args.orders} orders, each in its own transaction"
-        if args.rollback_every:
-            every = args.rollback_every
-            plan += (
-                "; rolling back every one"
-                if every == 1
-                else f"; rolling back every {_ordinal(every)} one"
-            )
-        print(f"{plan} ...")
-        place_orders(args.orders, args.rollback_every, outcome)
-        took = wait_for_receipts(outcome, children, args.timeout)
-        if outcome.executed == len(outcome.committed):
-            print(
-                f"All {len(outcome.committed)} committed receipts ran ({took:.1f} s)."
-            )
-        else:
-            print(f"Gave up waiting for receipts after {took:.0f} s.")
-        print(f"Watching {args.grace:g} s more for receipts that must never run ...")
-        time.sleep(args.grace)
-        collect_runs(outcome)
-        outcome.outbox_left = outbox_stats()
-        stop_all(children)
-        report(outcome)
-        print()
-        print(verdict(outcome))
-        if not outcome.held:
-            logs = "\n".join(f"  {c.name} log:\n{c.tail()}" for c in children)
-            print(f"\n{logs}", file=sys.stderr)
-            return 1
-        print(
-            "\nThe code: the orders and their send_receipt.delay() in "
-            "demo/run.py (place_orders), the task in demo/shop/tasks.py, the app in "
-            "demo/celery.py, the settings in demo/settings.py.\nFor your own project: "
-            "README.md, 'Quick start'; docs/quickstart.md walks through it."
-        )
-        return 0
+        return run(args, var, queue, settings)
     except DemoFailed as exc:
         print(f"\nDemo failed: {exc}", file=sys.stderr)
         return 2
@@ -524,8 +356,5 @@ def main(argv: list[str] | None = None) -> int:
         print("\nInterrupted.", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_all(children)
         signal.signal(signal.SIGTERM, previous_term)
         signal.signal(signal.SIGINT, previous_int)

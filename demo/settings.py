@@ -18,7 +18,12 @@ SECRET_KEY = "celery-outbox-demo-not-secret"
 DEBUG = False
 USE_TZ = True
 TIME_ZONE = "UTC"
-INSTALLED_APPS = ["celery_outbox", "demo.shop"]
+INSTALLED_APPS = [
+    "celery_outbox",
+    "celery_outbox.inbox",
+    "celery_outbox.handlers",
+    "demo.shop",
+]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 _database_url = os.environ.get("DATABASE_URL", "")
@@ -78,6 +83,12 @@ CELERY_BROKER_HEARTBEAT = 2
 CELERY_OUTBOX_APP = "demo.celery.app"
 CELERY_OUTBOX_POLL_INTERVAL = 0.05
 CELERY_OUTBOX_OUTSIDE_TRANSACTION = "raise"
+
+# The demo's events get an exchange of their own on a shared RabbitMQ or Redis (the
+# services' queues are named after it; the demo's own test gives each run another).
+CELERY_OUTBOX_EVENTS_EXCHANGE = os.environ.get(
+    "DEMO_EVENTS_EXCHANGE", "celery-outbox-demo-events"
+)
 
 # SQLite is fine here: the demo runs exactly one relay.
 SILENCED_SYSTEM_CHECKS = ["celery_outbox.W001"]

@@ -1,4 +1,13 @@
-"""Fixtures shared by every test layer."""
+"""Fixtures shared by every test layer, and which tests need a server.
+
+A test under ``tests/integration``, ``tests/e2e``, ``tests/faults`` or ``tests/plugin``
+(or marked ``@pytest.mark.servers``, or using Django's test database) needs
+PostgreSQL, MariaDB, RabbitMQ and Redis; every other test needs none
+(``tests/servers.py``), and ``tests/unit`` must hold no other kind. ``OUTBOX_TEST_SERVERS=none``
+(``make check``) leaves the first kind out. Otherwise the servers are probed once
+before the first such test: in CI (``CI=true``) a missing one fails the run, elsewhere
+the tests that need it are skipped with a reason that names it.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +17,87 @@ from typing import Any
 
 import pytest
 
-BROKER_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
-BROKER_REDIS = "redis://127.0.0.1:6379/14"
+from tests import servers
+
+#: The brokers of the end-to-end tests (nowhere in a run without servers, as the
+#: test project's own addresses).
+BROKER_AMQP = (
+    "amqp://guest:guest@127.0.0.1:1//"
+    if servers.without_servers()
+    else "amqp://guest:guest@127.0.0.1:5672//"
+)
+BROKER_REDIS = (
+    "redis://127.0.0.1:1/14"
+    if servers.without_servers()
+    else "redis://127.0.0.1:6379/14"
+)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if servers.without_servers():
+        return (
+            "OUTBOX_TEST_SERVERS=none: the tests that need a server are left out, and "
+            "every server address points at 127.0.0.1:1 (nothing listens there)"
+        )
+    return "servers: PostgreSQL, MariaDB, RabbitMQ, Redis (tests/servers.py)"
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    needing = [
+        item
+        for item in items
+        if servers.needs_servers(
+            item.path,
+            (mark.name for mark in item.iter_markers()),
+            getattr(item, "fixturenames", ()),
+        )
+    ]
+    for item in needing:
+        item.add_marker(pytest.mark.servers)
+    if not needing:
+        return
+    if servers.without_servers():
+        _refuse_unit_tests_that_need_servers(needing)
+        chosen = set(needing)
+        config.hook.pytest_deselected(items=needing)
+        items[:] = [item for item in items if item not in chosen]
+        return
+    _require_servers(needing)
+
+
+def _refuse_unit_tests_that_need_servers(needing: list[pytest.Item]) -> None:
+    misplaced = [
+        item.nodeid
+        for item in needing
+        if servers.folder_of(item.path) == servers.NO_SERVER_FOLDER
+    ]
+    if misplaced:
+        raise pytest.UsageError(
+            f"tests/{servers.NO_SERVER_FOLDER} is for tests that need no server, but "
+            "these use Django's test database or are marked servers; move them to "
+            "tests/integration:\n  " + "\n  ".join(misplaced)
+        )
+
+
+def _require_servers(needing: list[pytest.Item]) -> None:
+    from django.conf import settings
+
+    found = servers.servers_of(settings, (BROKER_AMQP, BROKER_REDIS))
+    problems = servers.missing(found)
+    if not problems:
+        return
+    if servers.in_ci():
+        raise pytest.UsageError(
+            f"{len(needing)} collected test(s) need servers that are not there "
+            "(CI=true: a missing server fails the run, it never skips):\n  "
+            + "\n  ".join(problems)
+            + "\nStart them with `make services`."
+        )
+    skip = pytest.mark.skip(reason=f"{'; '.join(problems)}: {servers.HOW_TO_START}")
+    for item in needing:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +115,17 @@ def outbox_app() -> Any:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _delete_test_queue(test_queue: str) -> Iterator[None]:
+def _delete_test_queue(
+    request: pytest.FixtureRequest, test_queue: str
+) -> Iterator[None]:
+    """Remove this run's RabbitMQ queue, when tests that use the servers ran."""
     yield
+    ran_servers = any(
+        item.get_closest_marker("servers") and not item.get_closest_marker("skip")
+        for item in request.session.items
+    )
+    if not ran_servers:
+        return
     from kombu import Connection
 
     with Connection(BROKER_AMQP, connect_timeout=5) as conn:

@@ -10,3 +10,7 @@ class ShopConfig(AppConfig):
     label = "demo_shop"
     verbose_name = "Demo shop"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Receivers must be registered in every process that may run them.
+        from . import receivers  # noqa: F401

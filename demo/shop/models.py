@@ -28,3 +28,25 @@ class Receipt(models.Model):
 
     def __str__(self) -> str:
         return f"receipt for order {self.order_id} ({self.task_id})"
+
+
+class Run(models.Model):
+    """One run of the other lanes' work, written by whatever ran it.
+
+    ``lane`` says which: ``strict`` (a step of a parcel, run by the worker),
+    ``handler`` (a receiver of the handler outbox, run in the demo process right
+    after the commit), ``inbox`` and ``inbox-skipped`` (the inbox task's body, or a
+    duplicate delivery it acknowledged without running it), ``event:<service>``
+    (an event's handler in that service's worker). No constraint: a run that must
+    not happen has to be recordable, or the demo could not count it.
+    """
+
+    lane = models.CharField(max_length=64)
+    key = models.CharField(max_length=255)
+    seq = models.IntegerField(default=0)
+    #: Strict steps: rows of the same key still in the outbox while this one ran.
+    behind = models.IntegerField(null=True)
+    executed_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.lane} {self.key} #{self.seq}"

@@ -56,13 +56,24 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # One id per test run, inherited by the relay and worker subprocesses it starts: it
 # names the databases and the queue, so concurrent runs never see each other's data.
 RUN_ID = os.environ.setdefault("OUTBOX_TEST_RUN", uuid.uuid4().hex[:8])
+# OUTBOX_TEST_SERVERS=none (`make check`): every server address below points at a
+# port nothing listens on, so a test of that run that reaches for a database or a
+# broker fails at once instead of quietly using one that happens to run.
+NO_SERVICES = os.environ.get("OUTBOX_TEST_SERVERS") == "none"
+
+
+def _address(variable: str, default: str, nowhere: str) -> str:
+    """A server address of the test project: ``nowhere`` in a run without servers."""
+    return nowhere if NO_SERVICES else os.environ.get(variable, default)
+
+
 _SQLITE_DIR = os.environ.get("OUTBOX_TEST_SQLITE_DIR", tempfile.gettempdir())
 POSTGRES = {
     "ENGINE": "django.db.backends.postgresql",
     "NAME": os.environ.get("OUTBOX_PG_NAME", f"outbox_{RUN_ID}"),
     "USER": os.environ.get("OUTBOX_PG_USER", "postgres"),
-    "HOST": os.environ.get("OUTBOX_PG_HOST", "127.0.0.1"),
-    "PORT": os.environ.get("OUTBOX_PG_PORT", "5432"),
+    "HOST": _address("OUTBOX_PG_HOST", "127.0.0.1", "127.0.0.1"),
+    "PORT": _address("OUTBOX_PG_PORT", "5432", "1"),
     # Lets a fault test find (and kill) one process's backends in pg_stat_activity.
     "OPTIONS": {
         "application_name": os.environ.get(
@@ -75,8 +86,8 @@ MYSQL = {
     "NAME": os.environ.get("OUTBOX_MYSQL_NAME", f"outbox_{RUN_ID}"),
     "USER": os.environ.get("OUTBOX_MYSQL_USER", "root"),
     "PASSWORD": os.environ.get("OUTBOX_MYSQL_PASSWORD", ""),
-    "HOST": os.environ.get("OUTBOX_MYSQL_HOST", "127.0.0.1"),
-    "PORT": os.environ.get("OUTBOX_MYSQL_PORT", "3306"),
+    "HOST": _address("OUTBOX_MYSQL_HOST", "127.0.0.1", "127.0.0.1"),
+    "PORT": _address("OUTBOX_MYSQL_PORT", "3306", "1"),
     "OPTIONS": {"charset": "utf8mb4"},
 }
 SQLITE = {
@@ -115,11 +126,13 @@ if os.environ.get("OUTBOX_TEST_DB_NAME"):
     )
 
 os.environ.setdefault("OUTBOX_TEST_QUEUE", f"celery-outbox-tests-{RUN_ID}")
-CELERY_BROKER_URL = os.environ.get(
-    "OUTBOX_TEST_BROKER", "amqp://guest:guest@127.0.0.1:5672//"
+CELERY_BROKER_URL = _address(
+    "OUTBOX_TEST_BROKER",
+    "amqp://guest:guest@127.0.0.1:5672//",
+    "amqp://guest:guest@127.0.0.1:1//",
 )
-CELERY_RESULT_BACKEND = os.environ.get(
-    "OUTBOX_TEST_RESULT_BACKEND", "redis://127.0.0.1:6379/15"
+CELERY_RESULT_BACKEND = _address(
+    "OUTBOX_TEST_RESULT_BACKEND", "redis://127.0.0.1:6379/15", "redis://127.0.0.1:1/15"
 )
 CELERY_TASK_DEFAULT_QUEUE = os.environ["OUTBOX_TEST_QUEUE"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

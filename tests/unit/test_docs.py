@@ -35,3 +35,21 @@ def test_the_package_the_metadata_and_the_changelog_agree_on_the_version() -> No
     declared = re.search(r'^version = "([^"]+)"$', pyproject, re.M)
     assert declared is not None
     assert newest.group(1) == declared.group(1) == __version__
+
+
+def test_the_choosing_page_sets_every_lane_side_by_side_and_is_linked() -> None:
+    text = (ROOT / "docs" / "choosing.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| | plain"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")][1:]
+    assert columns == [
+        "plain task",
+        "ordered task",
+        "strict order",
+        "handler outbox",
+        "event",
+        "inbox (switch)",
+    ]
+    for page in ("README.md", "docs/index.md", "docs/handlers.md"):
+        assert "choosing.md" in (ROOT / page).read_text(), page
+    # Tasks can be ordered (ordering_key, strict): no page may say otherwise.
+    assert "no ordering." not in (ROOT / "docs" / "handlers.md").read_text()

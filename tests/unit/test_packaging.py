@@ -135,3 +135,19 @@ def test_the_readme_table_is_the_matrix() -> None:
     }
     assert table[OLDEST[1:]] == f"{OLDEST[0]} (lowest)"
     assert table[NEWEST[1:]] == f"{NEWEST[0]} (whole suite)"
+
+
+def test_the_license_is_an_spdx_expression_the_build_backend_reads() -> None:
+    # The older table form (`{ text = "MIT" }`) is deprecated: setuptools stops
+    # building such projects after 2027-02-18. The string form needs setuptools 77.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert PROJECT["license"] == "MIT"
+    assert PROJECT["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+    [setuptools] = [
+        Requirement(line)
+        for line in pyproject["build-system"]["requires"]
+        if Requirement(line).name == "setuptools"
+    ]
+    assert "76.1.0" not in setuptools.specifier
+    assert "77.0.0" in setuptools.specifier

@@ -1,0 +1,226 @@
+"""Build the sdist and the wheel, check them, and run the installed wheel (``make check``).
+
+Offline, once the development venv exists: ``build --no-isolation`` uses that venv's
+setuptools instead of downloading one, the wheel goes into a fresh venv with
+``--no-index --no-deps``, and that venv borrows Django, Celery and the rest from the
+development venv through a path file (a plain path line: the development venv's own
+path files, among them its editable install of this package, are not read). Then, in
+a directory outside the source tree, a Django project with the package's three apps
+runs ``check`` and ``migrate`` on SQLite, and the package, its migrations and its
+admin template must all come from the fresh venv.
+
+A build that prints a deprecation fails the check, so a warning like setuptools'
+"``project.license`` as a TOML table is deprecated" is seen the day it appears.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import textwrap
+import time
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS = """
+SECRET_KEY = "check-package"
+USE_TZ = True
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "celery_outbox",
+    "celery_outbox.inbox",
+    "celery_outbox.handlers",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "check.sqlite3"}}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+ROOT_URLCONF = "urls"
+CELERY_OUTBOX_APP = "celeryapp.app"
+# One relay on SQLite is what this project is: the multi-relay warning does not apply.
+SILENCED_SYSTEM_CHECKS = ["celery_outbox.W001"]
+"""
+
+URLS = """
+from django.contrib import admin
+from django.urls import path
+
+urlpatterns = [path("admin/", admin.site.urls)]
+"""
+
+CELERY_APP = """
+from celery_outbox import OutboxCelery
+
+app = OutboxCelery("check-package")
+"""
+
+#: Run by the fresh venv's Python in the project: migrate, check, and say where the
+#: package, its admin template and its migrations came from.
+INSPECT = """
+import os
+import sys
+from pathlib import Path
+
+os.environ["DJANGO_SETTINGS_MODULE"] = "settings"
+sys.path.insert(0, os.getcwd())
+
+import django
+from django.apps import apps
+from django.core.management import call_command
+
+django.setup()
+call_command("migrate", verbosity=0)
+call_command("check", fail_level="WARNING")
+
+import celery_outbox
+from django.db import connection
+from django.db.migrations.loader import MigrationLoader
+from django.template.loader import get_template
+
+venv = Path(sys.prefix).resolve()
+template = get_template("admin/celery_outbox/outboxmessage/change_list.html")
+where = {
+    "package": Path(celery_outbox.__file__),
+    "admin template": Path(template.origin.name),
+}
+for what, path in where.items():
+    if venv not in path.resolve().parents:
+        sys.exit(f"the {what} comes from {path}, not from the installed wheel")
+applied = MigrationLoader(connection).applied_migrations
+counts = {}
+for label in ("celery_outbox", "celery_outbox_inbox", "celery_outbox_handlers"):
+    folder = Path(apps.get_app_config(label).path, "migrations")
+    shipped = {p.stem for p in folder.glob("[0-9][0-9][0-9][0-9]_*.py")}
+    done = {name for app, name in applied if app == label}
+    if not shipped or shipped != done:
+        sys.exit(f"{label}: migrations shipped {sorted(shipped)}, applied {sorted(done)}")
+    counts[label] = len(shipped)
+print(
+    f"celery-outbox {celery_outbox.__version__} from the wheel: migrate and check passed ("
+    + ", ".join(f"{label} {n} migration(s)" for label, n in counts.items())
+    + ", the admin template found)"
+)
+"""
+
+
+def run(argv: list[str], cwd: Path = ROOT) -> str:
+    """Run ``argv``; on failure print its output and stop with its exit code."""
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        print(done.stdout + done.stderr, file=sys.stderr)
+        print(f"check_package: {' '.join(argv)} failed", file=sys.stderr)
+        sys.exit(done.returncode)
+    return done.stdout + done.stderr
+
+
+def source_copy(where: Path) -> Path:
+    """The files git would commit (tracked, or new and not ignored), copied to ``where``.
+
+    A build in the working tree would also read what earlier builds left there
+    (``*.egg-info/SOURCES.txt`` lists every file they packed), and so could ship a
+    file the configuration no longer includes.
+    """
+    listed = run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    )
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            target = where / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return where
+
+
+def build(source: Path, dist: Path) -> list[Path]:
+    """The sdist and the wheel (built from the sdist), with no deprecation printed."""
+    output = run(
+        [sys.executable, "-m", "build", "--no-isolation", "-o", str(dist)], cwd=source
+    )
+    deprecations = [
+        line for line in output.splitlines() if re.search(r"deprecat", line, re.I)
+    ]
+    if deprecations:
+        print(output, file=sys.stderr)
+        sys.exit(
+            "check_package: the build printed deprecations:\n" + "\n".join(deprecations)
+        )
+    files = sorted(dist.iterdir())
+    run([sys.executable, "-m", "twine", "check", "--strict", *map(str, files)])
+    return files
+
+
+def fresh_venv(where: Path, wheel: Path) -> Path:
+    """A new venv holding the wheel; the dependencies come from this venv."""
+    venv.create(where, with_pip=True)
+    python = where / "bin" / "python"
+    run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--disable-pip-version-check",
+            str(wheel),
+        ]
+    )
+    purelib = run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    )
+    Path(purelib.strip(), "dependencies.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n"
+    )
+    return python
+
+
+def main() -> int:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="check-package-") as temp:
+        top = Path(temp)
+        files = build(source_copy(top / "source"), top / "dist")
+        [wheel] = [f for f in files if f.suffix == ".whl"]
+        python = fresh_venv(top / "venv", wheel)
+        project = top / "project"
+        project.mkdir()
+        (project / "settings.py").write_text(textwrap.dedent(SETTINGS))
+        (project / "urls.py").write_text(textwrap.dedent(URLS))
+        (project / "celeryapp.py").write_text(textwrap.dedent(CELERY_APP))
+        (project / "inspect_wheel.py").write_text(textwrap.dedent(INSPECT))
+        # -I: neither PYTHON* variables nor the user's site lead back to the source
+        # tree; the script puts the project (its working directory) on the path.
+        said = run([str(python), "-I", "inspect_wheel.py"], cwd=project)
+    names = ", ".join(f.name for f in files)
+    print(f"check_package: built {names}; twine check --strict passed")
+    for line in said.strip().splitlines():
+        print(f"check_package: {line}")
+    print(f"check_package: done in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
