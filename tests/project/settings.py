@@ -59,12 +59,12 @@ RUN_ID = os.environ.setdefault("OUTBOX_TEST_RUN", uuid.uuid4().hex[:8])
 # OUTBOX_TEST_SERVERS=none (`make check`): every server address below points at a
 # port nothing listens on, so a test of that run that reaches for a database or a
 # broker fails at once instead of quietly using one that happens to run.
-NO_SERVICES = os.environ.get("OUTBOX_TEST_SERVERS") == "none"
+NO_SERVERS = os.environ.get("OUTBOX_TEST_SERVERS") == "none"
 
 
 def _address(variable: str, default: str, nowhere: str) -> str:
     """A server address of the test project: ``nowhere`` in a run without servers."""
-    return nowhere if NO_SERVICES else os.environ.get(variable, default)
+    return nowhere if NO_SERVERS else os.environ.get(variable, default)
 
 
 _SQLITE_DIR = os.environ.get("OUTBOX_TEST_SQLITE_DIR", tempfile.gettempdir())
