@@ -3,7 +3,8 @@
 A runner subclasses :class:`StoreContract` in a ``Test*`` class and provides a
 ``harness`` fixture (a :class:`StoreHarness`): ``tests/unit/test_memory_store.py``
 for :class:`InMemoryStore` on a fake clock, ``tests/integration/test_store_contract.py``
-for :class:`OutboxStore` on every database alias, where time really passes.
+for :class:`~celery_outbox.store.store.RelayQueries` on every database alias, where
+time really passes.
 """
 
 from __future__ import annotations

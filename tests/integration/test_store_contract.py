@@ -1,4 +1,4 @@
-"""The store contract against OutboxStore on every database alias, in real time."""
+"""The store contract against RelayQueries on every database alias, in real time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from django.db import transaction
 
 from celery_outbox.envelope import Envelope
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from ..contract.store_contract import DeadView, StoreContract
 
@@ -18,21 +18,22 @@ pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 
 class DatabaseHarness:
-    """An OutboxStore on one alias; time is the database's, so waiting sleeps."""
+    """The relay's store on one alias; time is the database's, so waiting sleeps."""
 
-    def __init__(self, alias: str) -> None:
+    def __init__(self, alias: str, *, history: bool = False) -> None:
         self.alias = alias
-        self.store = OutboxStore(alias)
+        self.stores = Stores(alias, history=history)
+        self.store = self.stores.relay()
 
     def enqueue(self, envelopes: Sequence[Envelope]) -> None:
         with transaction.atomic(using=self.alias):
-            self.store.insert(envelopes)
+            self.stores.writer().insert(envelopes)
 
     def wait(self, seconds: float) -> None:
         time.sleep(seconds)
 
     def pending(self) -> int:
-        return self.store.stats().pending
+        return int(OutboxMessage.objects.using(self.alias).count())
 
     def state(self, row_id: int) -> tuple[int, str]:
         row = OutboxMessage.objects.using(self.alias).get(id=row_id)
@@ -50,5 +51,5 @@ def harness(alias: str) -> DatabaseHarness:
     return DatabaseHarness(alias)
 
 
-class TestOutboxStore(StoreContract):
+class TestRelayQueries(StoreContract):
     """Everything the relay relies on, on PostgreSQL, MariaDB and SQLite."""
