@@ -116,26 +116,6 @@ def test_summary_of_an_empty_outbox(alias: str) -> None:
     assert summary.oldest_pending_seconds is None
 
 
-def test_top_failures_rank_task_names(alias: str) -> None:
-    store = Stores(alias).operator()
-    add(store, "a", "b")
-    fail_once(store)
-    fail_once(store)
-    kill(store, "x", "y", task_name="shop.add")
-    kill(store, "z", task_name="shop.flaky")
-
-    top = store.top_failures(limit=5)
-
-    assert [
-        (t.task_name, t.rows, t.attempts, t.max_attempts) for t in top.retrying
-    ] == [("shop.record", 2, 2, 1)]
-    assert [(t.task_name, t.dead) for t in top.dead] == [
-        ("shop.add", 2),
-        ("shop.flaky", 1),
-    ]
-    assert [t.task_name for t in store.top_failures(limit=1).dead] == ["shop.add"]
-
-
 def test_retry_now_makes_rows_due_but_leaves_leased_rows_alone(alias: str) -> None:
     store = Stores(alias).operator()
     add(store, "waiting", "leased")
