@@ -147,18 +147,15 @@ def _drain(app: Any, count: int) -> float:
     """Publish the whole outbox with an in-process relay; events per second."""
     from celery_outbox.broker import build_publisher
     from celery_outbox.conf import get_settings
-    from celery_outbox.enqueue import outbox_alias
     from celery_outbox.relay.config import RelayConfig
     from celery_outbox.relay.loop import Relay
-    from celery_outbox.store import OutboxStore
+    from celery_outbox.store import outbox_stores
 
     settings = get_settings()
     publisher = build_publisher(app, settings)
     try:
         config = RelayConfig.from_settings(settings, until_empty=True)
-        relay = Relay(
-            OutboxStore(outbox_alias(settings)), publisher, config, listeners=()
-        )
+        relay = Relay(outbox_stores(settings).relay(), publisher, config, listeners=())
         started = time.perf_counter()
         relay.run()
         elapsed = time.perf_counter() - started

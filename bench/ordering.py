@@ -3,7 +3,7 @@
 ``python -m bench.ordering [--rows N] [--repeats N] [--batch N]`` fills the bench's
 PostgreSQL outbox with the same messages laid out three ways (unkeyed; one key per
 message; one hot key holding every other row, the rest one key each), drains each
-with claim-then-delete through :class:`~celery_outbox.store.OutboxStore` (no
+with claim-then-delete through :class:`~celery_outbox.store.store.RelayQueries` (no
 broker: every claimed row counts as published) and prints the median rate of each
 and the hot key's share of the unkeyed rate. It isolates what the claim's head rule
 costs; the broker's part of a real drain is the same for every layout.
@@ -78,10 +78,10 @@ def drain(envelopes: Sequence[Any], batch: int) -> float:
     """Rows per second to claim and delete every row (the table filled first)."""
     from bench.run import fill
     from celery_outbox.outcomes import Settlement
-    from celery_outbox.store import OutboxStore
+    from celery_outbox.store import Stores
 
     fill(envelopes)
-    store = OutboxStore("default")
+    store = Stores("default").relay()
     done = 0
     started = time.perf_counter()
     while done < len(envelopes):

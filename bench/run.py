@@ -318,10 +318,10 @@ def fill(envelopes: Sequence[Any], chunk: int = 1_000) -> None:
     """Write the messages as pending outbox rows (an empty table first)."""
     from django.db import connection, transaction
 
-    from celery_outbox.store import OutboxStore
+    from celery_outbox.store import Stores
 
     truncate()
-    store = OutboxStore("default")
+    store = Stores("default").writer()
     with transaction.atomic():
         for start in range(0, len(envelopes), chunk):
             store.insert(envelopes[start : start + chunk])
@@ -402,9 +402,9 @@ def outbox_row_text(envelope: Any) -> str:
     from django.db import connections
     from psycopg import ClientCursor
 
-    from celery_outbox.store import OutboxStore
+    from celery_outbox.store import Stores
 
-    statement = OutboxStore("commit").insert_statement([envelope], notify=False)
+    statement = Stores("commit").writer().insert_statement([envelope], notify=False)
     connection = connections["commit"]
     connection.ensure_connection()
     with ClientCursor(connection.connection) as cursor:
@@ -441,12 +441,12 @@ class Floor:
     def open(cls, envelope: Any) -> Floor:
         from django.db import connections
 
-        from celery_outbox.store import OutboxStore
+        from celery_outbox.store import Stores
 
         wrapper = connections["default"]
         conn = wrapper.get_new_connection(wrapper.get_connection_params())
         conn.autocommit = False
-        row = OutboxStore("default").insert_statement([envelope], notify=False)
+        row = Stores("default").writer().insert_statement([envelope], notify=False)
         return cls(conn, row, outbox_row_text(envelope))
 
     def _order(self, number: int) -> None:
@@ -487,7 +487,7 @@ def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
     from bench.celery import celery_only, noop, plain_app
     from bench.models import BenchOrder
     from bench.routing import OutboxRouter
-    from celery_outbox.store import OutboxStore
+    from celery_outbox.store import Stores
 
     direct = plain_app("amqp")
     celery_task, discarding = celery_only()
@@ -509,7 +509,7 @@ def bench_enqueue(report: Report, sizes: Sizes, brokers: Brokers) -> None:
             noop.delay(order.id)
 
     envelope = prebuilt_envelope()
-    store = OutboxStore("default")
+    store = Stores("default").writer()
 
     def outbox_prebuilt(number: int) -> None:
         # The stock path without Celery: the message exists already.

@@ -1,9 +1,10 @@
 """Django admin for the outbox and the dead letters: read-only views, operator actions.
 
 The changelists read through the default queryset (on the outbox alias); every
-action and the summary go through :class:`~celery_outbox.store.OutboxStore`. Each
-action writes Django's admin log and reports what it did. Arguments are decoded
-from the stored body and passed through ``CELERY_OUTBOX_REDACTOR`` before display.
+action and the summary go through the operator's store
+(:class:`~celery_outbox.store.OperatorStore`). Each action writes Django's admin log
+and reports what it did. Arguments are decoded from the stored body and passed
+through ``CELERY_OUTBOX_REDACTOR`` before display.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from .conf import get_settings
 from .decoding import decode_arguments
 from .envelope import load_json
 from .history_admin import OutboxRecords, TaskLinks
@@ -28,7 +28,7 @@ from .models import DeadLetter, MessageFields, OutboxMessage
 from .ordering.admin import BLOCKED_ACTIONS, OrderedKeysAdmin
 from .redaction import redact_arguments
 from .states import message_state
-from .store import DeadLetterFilter, OutboxStore
+from .store import DeadLetterFilter, OperatorStore, outbox_stores
 
 #: Headers that repeat the arguments; the decoded (and redacted) arguments replace them.
 ARGUMENT_HEADERS = frozenset({"argsrepr", "kwargsrepr"})
@@ -36,11 +36,9 @@ ARGUMENT_HEADERS = frozenset({"argsrepr", "kwargsrepr"})
 ERROR_PREVIEW = 80
 
 
-def outbox_store() -> OutboxStore:
-    """The store on the outbox alias."""
-    from .enqueue import outbox_alias
-
-    return OutboxStore(outbox_alias(get_settings()))
+def operator_store() -> OperatorStore:
+    """The operator's queries on the outbox alias."""
+    return outbox_stores().operator()
 
 
 def format_age(seconds: float | None) -> str:
@@ -269,7 +267,7 @@ class OutboxMessageAdmin(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
         """The changelist with the outbox summary on top."""
-        summary = outbox_store().summary()
+        summary = operator_store().summary()
         context = {
             "outbox_summary": summary,
             "outbox_oldest": format_age(summary.oldest_pending_seconds),
@@ -286,7 +284,7 @@ class OutboxMessageAdmin(
         picked = _picked(self, request, queryset)
         if picked is None:
             return
-        changed = outbox_store().retry_now(list(picked))
+        changed = operator_store().retry_now(list(picked))
         self._log_changed(request, _of(picked, changed), "Made due now (retry now).")
         skipped = len(picked) - len(changed)
         self.message_user(
@@ -305,7 +303,7 @@ class OutboxMessageAdmin(
         if picked is None:
             return
         reason = f"moved by {request.user.get_username()} from the admin"
-        moved = outbox_store().move_to_dead_letters(list(picked), reason)
+        moved = operator_store().move_to_dead_letters(list(picked), reason)
         self._log_changed(
             request, _of(picked, moved), f"Moved to dead letters: {reason}."
         )
@@ -368,7 +366,9 @@ class DeadLetterAdmin(MessageAdminMixin, TaskLinks, admin.ModelAdmin):  # type: 
         picked = _picked(self, request, queryset)
         if picked is None:
             return
-        report = outbox_store().replay_dead_letters(DeadLetterFilter(ids=tuple(picked)))
+        report = operator_store().replay_dead_letters(
+            DeadLetterFilter(ids=tuple(picked))
+        )
         self._log_changed(
             request,
             _of(picked, report.ids),
@@ -388,7 +388,7 @@ class DeadLetterAdmin(MessageAdminMixin, TaskLinks, admin.ModelAdmin):  # type: 
         picked = _picked(self, request, queryset)
         if picked is None:
             return
-        deleted = outbox_store().delete_dead_letters(list(picked))
+        deleted = operator_store().delete_dead_letters(list(picked))
         gone = _of(picked, deleted)
         if gone and hasattr(admin.ModelAdmin, "log_deletions"):  # Django >= 5.1
             self.log_deletions(request, gone)  # type: ignore[arg-type]

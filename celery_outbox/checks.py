@@ -27,7 +27,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         settings = get_settings()
     except OutboxConfigurationError as exc:
         return [Error(str(exc), id="celery_outbox.E001")]
-    from .enqueue import outbox_alias
+    from .store import outbox_alias
 
     alias = outbox_alias(settings)
     if alias not in connections:
@@ -91,7 +91,7 @@ def _outbox_alias_or_none() -> str | None:
         settings = get_settings()
     except OutboxConfigurationError:
         return None
-    from .enqueue import outbox_alias
+    from .store import outbox_alias
 
     alias = outbox_alias(settings)
     return alias if alias in connections else None

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from django.apps import apps
-from django.db import connections, router
+from django.db import connections
 from kombu import Exchange, Queue
 from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
@@ -41,7 +41,9 @@ from .ordering.options import HEADER as ORDERING_HEADER
 from .ordering.options import OPTION_NAMES, pop_options
 from .queues import cached_queue_spec
 from .signals import send_created
-from .store import OutboxStore
+from .store.dedup import DedupKeys
+from .store.roles import outbox_alias as outbox_alias  # where it lived before
+from .store.store import OutboxWriter
 
 logger = logging.getLogger("celery_outbox")
 
@@ -106,15 +108,6 @@ def require_installed() -> bool:
             "'python manage.py migrate celery_outbox'."
         )
     return True
-
-
-def outbox_alias(settings: OutboxSettings) -> str:
-    """The database alias that holds the outbox tables."""
-    if settings.database:
-        return settings.database
-    from .models import OutboxMessage
-
-    return router.db_for_write(OutboxMessage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,15 +523,15 @@ class Enqueuer:
         )
         for name in names:
             self.guard.check(alias, name, settings.outside_transaction)
-        # The store coalesces the hints of a burst of commits.
-        store = OutboxStore(alias)
         refused: Mapping[str, str] = {}
         if any(envelope.dedup_key is not None for envelope in envelopes):
-            refused = store.hold_keys(envelopes)
+            refused = DedupKeys(alias).hold_keys(envelopes)
             envelopes = [e for e in envelopes if e.task_id not in refused]
             if not envelopes:
                 return refused
-        store.insert(envelopes, notify=settings.notify)
+        # Built here on the alias resolved above, not by the factory: the call's only
+        # object. The writer coalesces the hints of a burst of commits.
+        OutboxWriter(alias).insert(envelopes, notify=settings.notify)
         send_created(envelopes, alias)
         if settings.publish_on_commit and self._on_commit is not None:
             self._on_commit(alias, [e.task_id for e in envelopes])

@@ -76,7 +76,7 @@ class OutboxRecords:
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         """The records on the outbox alias."""
-        from .enqueue import outbox_alias
+        from .store import outbox_alias
 
         queryset: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
         return cast("QuerySet[Any]", queryset.using(outbox_alias(get_settings())))

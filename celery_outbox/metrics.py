@@ -34,7 +34,7 @@ from .conf import OutboxSettings, split_address
 from .exceptions import OutboxConfigurationError
 from .outcomes import Outcome
 from .relay.events import BatchSettled, BreakerOpened, Coalesced, RelayEvent
-from .store import OutboxStore, Stats
+from .store import OperatorStore, Stats
 
 logger = logging.getLogger("celery_outbox.metrics")
 
@@ -242,7 +242,7 @@ class RelayMetrics:
     def __init__(
         self,
         sink: Sink,
-        store: OutboxStore | None = None,
+        store: OperatorStore | None = None,
         *,
         sample_every: float = 15.0,
         clock: Callable[[], float] = time.monotonic,

@@ -18,7 +18,7 @@ from django.core.management.base import CommandError, OutputWrapper
 
 from .durations import parse_duration, parse_moment
 from .progress import ProgressBar
-from .store import DeadLetterFilter, OutboxStore, Summary, TopFailures
+from .store import DeadLetterFilter, OperatorStore, Summary, TopFailures
 
 #: Replays larger than this many dead letters (or than one chunk) draw a progress
 #: bar on stderr, when tqdm (the ``progress`` extra) is installed.
@@ -39,7 +39,7 @@ class StatsRequest:
     iterations: int | None = None
 
 
-def render_stats(store: OutboxStore, request: StatsRequest) -> str:
+def render_stats(store: OperatorStore, request: StatsRequest) -> str:
     """One snapshot of the outbox in the requested format."""
     summary = store.summary()
     failures = store.top_failures(request.top) if request.top else None
@@ -51,7 +51,7 @@ def render_stats(store: OutboxStore, request: StatsRequest) -> str:
 
 
 def watch(
-    store: OutboxStore,
+    store: OperatorStore,
     request: StatsRequest,
     write: Callable[[str], Any],
     sleep: Callable[[float], Any] = time.sleep,
@@ -255,7 +255,7 @@ def _moment(flag: str, text: str | None, now: datetime | None) -> datetime | Non
         raise CommandError(f"{flag}: {exc}") from None
 
 
-def replay(store: OutboxStore, request: ReplayRequest, stderr: OutputWrapper) -> str:
+def replay(store: OperatorStore, request: ReplayRequest, stderr: OutputWrapper) -> str:
     """Run a replay (drawing a progress bar on ``stderr`` when large); returns a summary."""
     bar = ProgressBar(
         stderr,
@@ -346,7 +346,7 @@ class PurgeRequest:
         return cls(seconds, task, dry_run, chunk_size)
 
 
-def purge(store: OutboxStore, request: PurgeRequest) -> str:
+def purge(store: OperatorStore, request: PurgeRequest) -> str:
     """Run a purge; returns a one-line summary."""
     report = store.purge_dead_letters(
         request.older_than,

@@ -25,8 +25,7 @@ from typing import Any
 from celery import shared_task
 
 from .conf import get_settings
-from .enqueue import outbox_alias
-from .store import OutboxStore
+from .store import outbox_stores
 
 logger = logging.getLogger("celery_outbox")
 
@@ -42,7 +41,7 @@ def purge_dead_letters() -> dict[str, Any]:
     or when any was deleted, the result also has ``"history_deleted": n``.
     """
     settings = get_settings()
-    store = OutboxStore(outbox_alias(settings))
+    stores = outbox_stores(settings)
     result: dict[str, Any] = {"deleted": 0, "retention_seconds": None}
     retention = settings.dead_letter_retention
     if retention is None:
@@ -50,13 +49,13 @@ def purge_dead_letters() -> dict[str, Any]:
             "CELERY_OUTBOX_DEAD_LETTER_RETENTION is not set: dead letters are kept"
         )
     else:
-        report = store.purge_dead_letters(retention)
+        report = stores.operator().purge_dead_letters(retention)
         if report.deleted:
             logger.info(
                 "purged %d dead letters older than %.0f s", report.deleted, retention
             )
         result = {"deleted": report.deleted, "retention_seconds": retention}
-    events = store.purge_history(settings.history_retention)
+    events = stores.history_log().purge_history(settings.history_retention)
     if events:
         logger.info(
             "purged %d history events older than %.0f s",
@@ -75,7 +74,7 @@ def purge_dedup_keys() -> dict[str, Any]:
     Schedule it with beat like ``purge_dead_letters`` when you use ``dedup_key``.
     Returns ``{"deleted": n}``.
     """
-    deleted = OutboxStore(outbox_alias(get_settings())).purge_dedup_keys()
+    deleted = outbox_stores().dedup().purge_dedup_keys()
     if deleted:
         logger.info("purged %d ended dedup keys", deleted)
     return {"deleted": deleted}

@@ -25,7 +25,6 @@ from kombu.serialization import dumps, loads
 
 from .broker import Budget, InMemoryPublisher, Publisher, build_publisher
 from .conf import get_settings
-from .enqueue import outbox_alias
 from .envelope import Envelope, StoredMessage, load_json
 from .exceptions import OutboxError
 from .outcomes import Outcome, PublishResult
@@ -34,7 +33,7 @@ from .relay.events import LoopError, RelayEvent
 from .relay.loop import Cycle, Relay
 from .relay.waiter import Waiter
 from .signals import send_relay_signals
-from .store import OutboxStore
+from .store import Stores, outbox_alias
 from .store.store import read_declarations
 
 __all__ = [
@@ -455,7 +454,7 @@ class OutboxFixture:
             if isinstance(event, LoopError):
                 errors.append(event)
 
-        store = OutboxStore(self.alias)
+        store = Stores(self.alias).relay()
         waiter = Waiter()  # the relay's self-pipe: closed here, not left to leak
         relay = Relay(
             store,

@@ -25,9 +25,9 @@ from django.db import DatabaseError
 from django.db.backends.postgresql.psycopg_any import is_psycopg3
 from django.db.backends.utils import debug_transaction
 
-from ..store import OutboxStore
 from ..store.held import HeldRows
 from ..store.notify import HINTS
+from ..store.store import OutboxWriter
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -60,7 +60,7 @@ class WriteOnCommitMixin(_Wrapper):
         envelopes, notify = self.outbox_held_rows.take()
         if envelopes:
             try:
-                OutboxStore(self.alias).write(envelopes, notify=notify)
+                OutboxWriter(self.alias).write(envelopes, notify=notify)
             except Exception as exc:
                 # The error reaches whatever statement came next (a SAVEPOINT, a
                 # query), which the caller may catch and carry on from. PostgreSQL
@@ -125,7 +125,7 @@ class WriteOnCommitMixin(_Wrapper):
         # Decided now, not when the rows were enqueued: a hint another transaction
         # committed since then (or one that rolled back) is what counts.
         notify = notify and HINTS.due()
-        store = OutboxStore(self.alias)
+        store = OutboxWriter(self.alias)
         try:
             with self.wrap_database_errors, ClientCursor(self.connection) as cursor:
                 # The driver merges the values into the text (client-side binding):

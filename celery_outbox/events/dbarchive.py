@@ -7,18 +7,16 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Sequence
 
-from ..conf import get_settings
-from ..enqueue import outbox_alias
-from ..store import DeadLetterFilter, OutboxStore
-from ..store.events import DeadEvent, EventRows
+from ..store import DeadLetterFilter, EventStore, outbox_stores
+from ..store.events import DeadEvent
 from .archive import ArchivedEvent, ReplayResult
 from .held import ERROR_HEADER, RETRIES_HEADER
 from .registry import EVENT_HEADER
 from .topology import ServiceTopology
 
 
-def _rows() -> EventRows:
-    return EventRows(outbox_alias(get_settings()))
+def _rows() -> EventStore:
+    return outbox_stores().events()
 
 
 def _prefix(topology: ServiceTopology) -> str:
@@ -59,10 +57,13 @@ def replay(
     ]
     if not chosen:
         return ReplayResult(0, len(rows), 0)
-    store = OutboxStore(outbox_alias(get_settings()))
-    report = store.replay_dead_letters(
-        DeadLetterFilter(ids=tuple(chosen)),
-        progress=lambda done, total: on_progress(done, total),
+    report = (
+        outbox_stores()
+        .operator()
+        .replay_dead_letters(
+            DeadLetterFilter(ids=tuple(chosen)),
+            progress=lambda done, total: on_progress(done, total),
+        )
     )
     return ReplayResult(report.replayed, len(rows) - report.replayed, 0)
 
@@ -70,8 +71,8 @@ def replay(
 def purge(topology: ServiceTopology) -> int:
     """Delete every archived event of the service; returns how many there were."""
     rows = _rows().dead_events(_prefix(topology))
-    store = OutboxStore(outbox_alias(get_settings()))
-    return len(store.delete_dead_letters([row.row_id for row in rows]))
+    operator = outbox_stores().operator()
+    return len(operator.delete_dead_letters([row.row_id for row in rows]))
 
 
 def _event(row: DeadEvent) -> str:

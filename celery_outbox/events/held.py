@@ -20,11 +20,10 @@ from celery import Celery
 from django.db import transaction
 from kombu import Exchange, Queue
 
-from ..conf import get_settings
-from ..enqueue import CapturingProducer, outbox_alias
+from ..enqueue import CapturingProducer
 from ..envelope import Envelope
 from ..signals import send_created
-from ..store.events import EventRows
+from ..store import outbox_stores
 from .registry import DELIVER_TASK, EVENT_HEADER
 
 #: Headers a held event carries: why it failed, when, and after how many retries.
@@ -39,10 +38,10 @@ def hold_retry(
     """Write the running event back to the outbox, due in ``delay`` seconds, for
     ``queue`` only, with Celery's ``retries`` header set to ``retries``."""
     envelope = capture(task, queue, args, kwargs, retries, {})
-    alias = outbox_alias(get_settings())
-    with transaction.atomic(using=alias):
-        EventRows(alias).insert_later([envelope], delay)
-        send_created([envelope], alias)
+    stores = outbox_stores()
+    with transaction.atomic(using=stores.alias):
+        stores.events().insert_later([envelope], delay)
+        send_created([envelope], stores.alias)
 
 
 def archive(
@@ -57,9 +56,9 @@ def archive(
         RETRIES_HEADER: retries,
     }
     envelope = capture(task, queue, args, kwargs, 0, extra)
-    alias = outbox_alias(get_settings())
-    with transaction.atomic(using=alias):
-        EventRows(alias).insert_dead([envelope], error)
+    stores = outbox_stores()
+    with transaction.atomic(using=stores.alias):
+        stores.events().insert_dead([envelope], error)
 
 
 def capture(

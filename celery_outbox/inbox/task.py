@@ -18,8 +18,8 @@ from celery.exceptions import Ignore
 from django.db import IntegrityError, transaction
 
 from ..conf import OutboxSettings, get_settings
-from ..enqueue import outbox_alias
 from ..exceptions import OutboxValueError
+from ..store import outbox_alias
 from .signals import send_duplicate_skipped
 
 logger = logging.getLogger("celery_outbox.inbox")

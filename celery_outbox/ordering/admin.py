@@ -25,6 +25,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from ..store import OrderingStore
 from ..store.ordering import BLOCKED, RUNNING, blocked_since
 
 #: The filter's query parameter and the value that lists blocked heads.
@@ -84,11 +85,11 @@ class OrderedKeysAdmin(_AdminBase):
     :class:`celery_outbox.admin.OutboxMessageAdmin` does).
     """
 
-    def ordering_store(self) -> Any:
-        """The store the actions go through (the outbox alias's)."""
-        from ..admin import outbox_store
+    def ordering_store(self) -> OrderingStore:
+        """The ordered keys' store the actions go through (the outbox alias's)."""
+        from ..store import outbox_stores
 
-        return outbox_store()
+        return outbox_stores().ordering()
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
         """Acting on a blocked head needs the change permission on the host's model."""

@@ -16,13 +16,16 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.signals import task_postrun, task_prerun
 
 from ..conf import get_settings
 from .core import Report, report_for
 from .options import HEADER, Ordering, is_strict
+
+if TYPE_CHECKING:
+    from ..store import OrderingStore
 
 logger = logging.getLogger("celery_outbox.ordering")
 
@@ -49,12 +52,11 @@ def strict_headers(request: Any) -> Mapping[str, Any] | None:
     return found if is_strict(found) else None
 
 
-def _store() -> Any:
+def _store() -> OrderingStore:
     # Imported here: the app (and these receivers) load before Django's models.
-    from ..enqueue import outbox_alias
-    from ..store import OutboxStore
+    from ..store import outbox_stores
 
-    return OutboxStore(outbox_alias(get_settings()))
+    return outbox_stores().ordering()
 
 
 def _started(task: Any = None, task_id: str = "", **_: Any) -> None:

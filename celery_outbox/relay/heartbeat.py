@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 
 from ..exceptions import OutboxDatabaseError
-from ..store import OutboxStore
+from ..store import RegistryStore
 
 logger = logging.getLogger("celery_outbox.relay")
 
@@ -35,7 +35,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        store: OutboxStore,
+        store: RegistryStore,
         interval: float,
         *,
         on_takeover: Callable[[], None] = lambda: None,

@@ -22,7 +22,7 @@ from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
 from ..ordering.core import ordered_settlement
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
-from ..store import Claim, OutboxStore, SettleReport
+from ..store import Claim, RelayStore, SettleReport
 from .config import RelayConfig
 from .core import Breaker, Suspects, judge_alone, settle
 from .events import (
@@ -74,7 +74,7 @@ class Relay:
 
     def __init__(
         self,
-        store: OutboxStore,
+        store: RelayStore,
         publisher: Publisher,
         config: RelayConfig,
         *,
@@ -130,7 +130,7 @@ class Relay:
         """Relay until stopped (or, with ``until_empty``, until nothing is due)."""
         with self.store.relay_lock():
             logger.info("relay started (database %r)", self.store.alias)
-            if self.config.prefetch and self.store.dialect.concurrent_claims:
+            if self.config.prefetch and self.store.concurrent_claims:
                 self._prefetcher = _Prefetcher(self.store, self.clock)
             if self.heartbeat is not None:
                 self.heartbeat.start()
@@ -448,7 +448,7 @@ class _Prefetcher:
     turn. At most one claim is ever pending.
     """
 
-    def __init__(self, store: OutboxStore, clock: Callable[[], float]) -> None:
+    def __init__(self, store: RelayStore, clock: Callable[[], float]) -> None:
         self._store = store
         self._clock = clock
         self._executor = ThreadPoolExecutor(

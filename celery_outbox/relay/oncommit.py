@@ -21,7 +21,7 @@ from django.db import connections, transaction
 
 from ..broker import build_publisher
 from ..conf import get_settings
-from ..store import OutboxStore
+from ..store import Stores
 from .config import RelayConfig
 from .loop import Relay
 
@@ -111,7 +111,10 @@ class CommitPublisher:
             config = RelayConfig.from_settings(settings, breaker_threshold=1)
             publisher = build_publisher(self._app, settings)
             relay = Relay(
-                OutboxStore(alias), publisher, config, listeners=[send_relay_signals]
+                Stores(alias).relay(),
+                publisher,
+                config,
+                listeners=[send_relay_signals],
             )
             relays[alias] = relay
         return relay

@@ -20,7 +20,7 @@ from kombu.utils.url import maybe_sanitize_url
 from ..broker import Publisher
 from ..broker.base import explain
 from ..exceptions import OutboxError
-from ..store import OutboxStore
+from ..store.store import RelayQueries
 
 logger = logging.getLogger("celery_outbox.relay")
 
@@ -62,7 +62,7 @@ def database_location(alias: str) -> str:
     return f"{alias!r} ({connection.vendor} at {at}, database {str(name)!r})"
 
 
-def probe_database(store: OutboxStore) -> Probe:
+def probe_database(store: RelayQueries) -> Probe:
     """Ask the outbox database for its tables once; log where it is and how it went."""
     where = database_location(store.alias)
     try:

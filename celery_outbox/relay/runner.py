@@ -12,10 +12,9 @@ from ..broker import Publisher, broker_driver, build_publisher
 from ..conf import OutboxSettings
 from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
-from ..enqueue import outbox_alias
 from ..metrics import RelayMetrics, configured_sinks
 from ..signals import send_relay_signals
-from ..store import OutboxStore
+from ..store import outbox_stores
 from .config import RelayConfig
 from .events import Listener, TracingHook, log_event
 from .heartbeat import Heartbeat, new_relay_id
@@ -43,8 +42,8 @@ def build_relay(
     are added when those libraries are set up in this process.
     """
     config = RelayConfig.from_settings(settings, **overrides)
-    alias = outbox_alias(settings)
-    store = OutboxStore(alias, holder=new_relay_id())
+    stores = outbox_stores(settings, holder=new_relay_id())
+    store = stores.relay()
     # Where the relay connects, logged once. A broker that is down is an outage like
     # any other; a database that is down or lacks the tables stops the relay here.
     database = probe_database(store)
@@ -64,11 +63,12 @@ def build_relay(
         publisher.close()
         raise database.failure
     wakeup = None
-    if settings.notify and connections[alias].vendor == "postgresql":
-        wakeup = PgNotifyListener(alias)
+    if settings.notify and connections[stores.alias].vendor == "postgresql":
+        wakeup = PgNotifyListener(stores.alias)
     listeners: list[Listener] = [log_event, send_relay_signals]
     listeners.extend(
-        RelayMetrics(sink, store) for sink in configured_sinks(settings, metrics_port)
+        RelayMetrics(sink, stores.operator())
+        for sink in configured_sinks(settings, metrics_port)
     )
     batch_hooks = tracing_hooks(broker or type(publisher).__name__)
     listeners.extend(batch_hooks)
@@ -80,7 +80,11 @@ def build_relay(
         listeners.append(FailureLog())
     waiter = Waiter()
     # Rows taken over from a dead relay are due now: the loop claims them at once.
-    heartbeat = Heartbeat(store, config.heartbeat_interval, on_takeover=waiter.wake)
+    heartbeat = Heartbeat(
+        stores.registry(),
+        config.heartbeat_interval,
+        on_takeover=waiter.wake,
+    )
     return Relay(
         store,
         publisher,

@@ -1,8 +1,24 @@
-"""All outbox SQL lives in this package: the relay, commands and admin use :class:`OutboxStore`."""
+"""All outbox SQL lives in this package, split by role (:mod:`.protocol`).
+
+:func:`outbox_stores` (or :class:`Stores` on an explicit alias) builds the role
+object a consumer needs: the relay's claims, the enqueue's writes, the operator's
+queries, ordered keys' heads, history, relay heartbeats, ``dedup_key`` holds.
+"""
 
 from __future__ import annotations
 
-from .store import OutboxStore
+from .deprecated import OutboxStore
+from .protocol import (
+    DedupStore,
+    EnqueueStore,
+    EventStore,
+    HistoryStore,
+    OperatorStore,
+    OrderingStore,
+    RegistryStore,
+    RelayStore,
+)
+from .roles import Stores, outbox_alias, outbox_stores
 from .types import (
     BacklogGroup,
     Claim,
@@ -22,12 +38,23 @@ __all__ = [
     "Claim",
     "DeadLetterFilter",
     "DeadTask",
+    "DedupStore",
+    "EnqueueStore",
+    "EventStore",
+    "HistoryStore",
+    "OperatorStore",
+    "OrderingStore",
     "OutboxStore",
     "PurgeReport",
+    "RegistryStore",
+    "RelayStore",
     "ReplayReport",
     "RetryingTask",
     "SettleReport",
     "Stats",
+    "Stores",
     "Summary",
     "TopFailures",
+    "outbox_alias",
+    "outbox_stores",
 ]

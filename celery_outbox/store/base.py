@@ -46,6 +46,14 @@ class StoreBase:
             connection.__dict__[_DIALECT] = found
         return found
 
+    def reset_connection(self) -> None:
+        """Drop a connection that failed, so that the next statement reconnects."""
+        connection = self.connection
+        if connection.in_atomic_block:
+            return
+        with contextlib.suppress(Exception):
+            connection.close()
+
     def _for_update(self) -> str:
         """`` FOR UPDATE`` where the vendor has row locks (SQLite has one writer)."""
         connection = self.connection

@@ -20,7 +20,7 @@ from .dialects import DEDUP_TABLE, MESSAGE_TABLE
 
 
 class DedupKeys(StoreBase):
-    """Taking and releasing ``dedup_key`` holds (part of :class:`~.store.OutboxStore`)."""
+    """Taking and releasing ``dedup_key`` holds."""
 
     def hold_keys(self, envelopes: Sequence[Envelope]) -> dict[str, str]:
         """Take each envelope's key for its task, in the caller's transaction.

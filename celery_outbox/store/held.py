@@ -1,8 +1,8 @@
 """Outbox rows held on a connection until its next statement or its ``COMMIT``.
 
 Only connections of the write-on-commit engine (:mod:`celery_outbox.backends`) carry
-a :class:`HeldRows`; :meth:`OutboxStore.insert <celery_outbox.store.OutboxStore.insert>`
-looks for it under :data:`HELD_ROWS`.
+a :class:`HeldRows`; :meth:`~celery_outbox.store.store.OutboxWriter.insert` looks for
+it under :data:`HELD_ROWS`.
 """
 
 from __future__ import annotations

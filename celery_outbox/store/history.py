@@ -109,10 +109,11 @@ def process_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"[:255]
 
 
-class HistoryLog(StoreBase):
-    """Writing, reading and purging the history (part of :class:`~.store.OutboxStore`).
+class HistoryWriter(StoreBase):
+    """Writing the history inside the caller's transaction: the part the relay's
+    settlements and the operator's moves share (:class:`HistoryLog` reads it).
 
-    ``history`` says whether settlements write it; None: ``CELERY_OUTBOX_HISTORY``.
+    ``history`` says whether they write it; None: ``CELERY_OUTBOX_HISTORY``.
     """
 
     def __init__(
@@ -217,7 +218,9 @@ class HistoryLog(StoreBase):
             [self.holder, process_name(), *dead_ids],
         )
 
-    # -- reading ---------------------------------------------------------------------
+
+class HistoryLog(HistoryWriter):
+    """Where a message is and what happened to it, and the history's retention."""
 
     def trace(self, task_id: str) -> MessageTrace:
         """Where ``task_id`` is: its outbox rows, dead letters and history, by id."""

@@ -1,9 +1,11 @@
 """An in-memory store: a real :class:`~.protocol.RelayStore` for tests without a database.
 
-It keeps the rules of :class:`~celery_outbox.store.OutboxStore` -- due rows claimed
-oldest first under a lease, every write fenced by the lease token, retries counting
-an attempt, dead letters keeping the message and the reason -- with time taken from
-an injected clock, so a test can move past a lease or a backoff without sleeping.
+It keeps the rules of :class:`~celery_outbox.store.store.RelayQueries` -- due rows
+claimed oldest first under a lease, every write fenced by the lease token, retries
+counting an attempt, dead letters keeping the message and the reason -- with time
+taken from an injected clock, so a test can move past a lease or a backoff without
+sleeping. Its :class:`Tables` are shared with the operator's twin
+(:mod:`.memory_operator`).
 """
 
 from __future__ import annotations
@@ -44,18 +46,59 @@ class Row:
 class DeadRow:
     """A dead letter: the message, the attempts it used and why it died."""
 
+    #: The dead letter's own id (what a replay selects by).
+    id: int
+    #: The id the message had in the outbox.
     original_id: int
     envelope: Envelope
     attempts: int
     last_error: str
+    created_at: float
     dead_at: float
 
 
-@dataclass(frozen=True)
-class _Dialect:
-    """What the relay loop still asks of ``store.dialect`` (until it asks the store)."""
+class Tables:
+    """The outbox and its dead letters in memory, behind one lock, on one clock.
 
-    concurrent_claims: bool
+    The in-memory role objects share them as the Django ones share a database;
+    each holds the lock while it reads or changes them.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` gives the time of leases, delays, ages and ``dead_at``."""
+        self.clock = clock
+        self.lock = threading.Lock()
+        #: Outbox rows by id.
+        self.rows: dict[int, Row] = {}
+        #: Dead letters by their own id, in the order they died.
+        self.dead: dict[int, DeadRow] = {}
+        self._next_id = 1
+        self._next_dead_id = 1
+
+    def add_rows(self, envelopes: Iterable[Envelope], now: float) -> list[int]:
+        """New rows, due at ``now`` with no attempt used; their ids (lock held)."""
+        ids = []
+        for envelope in envelopes:
+            row = Row(self._next_id, envelope, created_at=now, available_at=now)
+            self.rows[row.id] = row
+            self._next_id += 1
+            ids.append(row.id)
+        return ids
+
+    def bury(self, row: Row, attempts: int, error: str, now: float) -> None:
+        """Move ``row`` to the dead letters with ``error`` (lock held)."""
+        del self.rows[row.id]
+        dead = DeadRow(
+            self._next_dead_id,
+            row.id,
+            row.envelope,
+            attempts,
+            error[:ERROR_LIMIT],
+            row.created_at,
+            now,
+        )
+        self.dead[dead.id] = dead
+        self._next_dead_id += 1
 
 
 class InMemoryStore:
@@ -65,34 +108,30 @@ class InMemoryStore:
     concurrent_claims = True
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, *, alias: str = "memory"
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        alias: str = "memory",
+        tables: Tables | None = None,
     ) -> None:
-        """``clock`` gives the time of leases and delays; ``alias`` names the store in logs."""
-        self.clock = clock
+        """``clock`` gives the time of leases and delays; ``alias`` names the store in
+        logs; ``tables`` are shared with another in-memory role (their clock wins)."""
+        self.tables = tables if tables is not None else Tables(clock)
+        self.clock = self.tables.clock
         self.alias = alias
-        self._rows: dict[int, Row] = {}
-        self._dead: list[DeadRow] = []
-        self._next_id = 1
-        self._lock = threading.Lock()
-
-    @property
-    def dialect(self) -> _Dialect:
-        """For a relay loop that reads ``store.dialect.concurrent_claims``."""
-        return _Dialect(self.concurrent_claims)
+        self._rows = self.tables.rows
+        self._lock = self.tables.lock
 
     # -- enqueue ---------------------------------------------------------------
 
     def add(self, envelopes: Iterable[Envelope]) -> list[int]:
         """Enqueue messages as a committed transaction would; their new ids, in order."""
         with self._lock:
-            now = self.clock()
-            ids = []
-            for envelope in envelopes:
-                row = Row(self._next_id, envelope, created_at=now, available_at=now)
-                self._rows[row.id] = row
-                self._next_id += 1
-                ids.append(row.id)
-            return ids
+            return self.tables.add_rows(envelopes, self.clock())
+
+    def insert(self, envelopes: Sequence[Envelope], *, notify: bool = False) -> None:
+        """Enqueue messages as a committed transaction would (no relay to wake)."""
+        self.add(envelopes)
 
     # -- RelayStore ------------------------------------------------------------
 
@@ -123,7 +162,7 @@ class InMemoryStore:
             ]
             for row in leased:
                 self._rows[row.id] = row
-        # Handed out in id order, as OutboxStore does.
+        # Handed out in id order, as RelayQueries does.
         messages = tuple(
             StoredMessage(row.id, row.attempts, row.envelope, now - row.created_at)
             for row in sorted(leased, key=lambda row: row.id)
@@ -169,7 +208,7 @@ class InMemoryStore:
     def dead(self) -> tuple[DeadRow, ...]:
         """The dead letters, in the order they died."""
         with self._lock:
-            return tuple(self._dead)
+            return tuple(self.tables.dead.values())
 
     def pending(self) -> int:
         """How many rows are in the outbox, due, leased or waiting for a retry."""
@@ -202,15 +241,15 @@ class InMemoryStore:
         return True
 
     def _bury(self, token: str, decision: Decision, now: float) -> bool:
-        row = self._take(token, decision.message_id)
+        row = self._held(token, decision.message_id)
         if row is None:
             return False
-        error = decision.error[:ERROR_LIMIT]
-        self._dead.append(DeadRow(row.id, row.envelope, row.attempts + 1, error, now))
+        self.tables.bury(row, row.attempts + 1, decision.error, now)
         return True
 
 
-if TYPE_CHECKING:  # mypy checks here that the fake implements the interface
-    from .protocol import RelayStore
+if TYPE_CHECKING:  # mypy checks here that the fake implements the interfaces
+    from .protocol import EnqueueStore, RelayStore
 
-    _conforms: type[RelayStore] = InMemoryStore
+    _relay: type[RelayStore] = InMemoryStore
+    _enqueue: type[EnqueueStore] = InMemoryStore

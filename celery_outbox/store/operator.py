@@ -24,7 +24,7 @@ from .dialects import (
     MESSAGE_TABLE,
     placeholders,
 )
-from .history import HistoryLog
+from .history import HistoryWriter
 from .types import (
     BacklogGroup,
     DeadLetterFilter,
@@ -44,10 +44,8 @@ logger = logging.getLogger("celery_outbox.store")
 OPERATOR_CHUNK = 500
 
 
-class OperatorQueries(HistoryLog):
+class OperatorQueries(HistoryWriter):
     """What operators do to the outbox and the dead letters."""
-
-    # -- operators -------------------------------------------------------------
 
     def explain_claim(self, limit: int = 500) -> str:
         """The database's plan for the claim query, as text (to check index use)."""
@@ -323,7 +321,7 @@ class OperatorQueries(HistoryLog):
     def delete_dead_letters(self, ids: Sequence[int]) -> list[int]:
         """Delete the given dead letters; returns the ids that existed and were deleted."""
         deleted: list[int] = []
-        for chunk in _chunks(ids):
+        for chunk in id_chunks(ids):
             with (
                 self._translated(),
                 transaction.atomic(using=self.alias),
@@ -349,7 +347,7 @@ class OperatorQueries(HistoryLog):
         Yields ``(cursor, ids)``; the caller's statements run inside that transaction,
         and an exception in them rolls it back.
         """
-        for chunk in _chunks(ids):
+        for chunk in id_chunks(ids):
             with (
                 self._translated(),
                 transaction.atomic(using=self.alias),
@@ -431,7 +429,8 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _chunks(ids: Sequence[int], size: int = OPERATOR_CHUNK) -> Iterator[list[int]]:
+def id_chunks(ids: Sequence[int], size: int = OPERATOR_CHUNK) -> Iterator[list[int]]:
+    """``ids`` without repeats, in their order, ``size`` at a time (one statement each)."""
     unique = list(dict.fromkeys(int(i) for i in ids))
     for start in range(0, len(unique), size):
         yield unique[start : start + size]

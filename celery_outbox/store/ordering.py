@@ -1,4 +1,4 @@
-"""The SQL of ordered keys (:mod:`celery_outbox.ordering`), part of :class:`~.store.OutboxStore`.
+"""The SQL of ordered keys (:mod:`celery_outbox.ordering`).
 
 The claim's head rule itself is in :meth:`.dialects.Dialect._due_where`; here are
 what a claim does next in the same transaction (take a run of a key's rows, drop
@@ -122,8 +122,8 @@ def row_ordering(row: Sequence[Any]) -> Ordering:
     return Ordering.read(key, headers if isinstance(headers, dict) else {})
 
 
-class OrderingQueries(StoreBase):
-    """Ordered keys' SQL (part of :class:`~.store.OutboxStore`)."""
+class KeyedClaims(StoreBase):
+    """What the relay's claim and settlement do to keyed rows, in their transaction."""
 
     # -- claim (inside the claim's transaction) ------------------------------------
 
@@ -276,6 +276,11 @@ class OrderingQueries(StoreBase):
             )
             changed += int(cursor.rowcount)
         return changed
+
+
+class OrderingQueries(StoreBase):
+    """Ordered keys' heads: the worker's reports for strict tasks, the operator's
+    actions on a blocked head, the statistics."""
 
     # -- the worker's reports for strict tasks ---------------------------------------
 

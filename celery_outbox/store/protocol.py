@@ -1,18 +1,39 @@
-"""What the relay needs of a store: the one seam between the loop and its database.
+"""The store by role: one small interface per kind of consumer.
 
-:class:`~celery_outbox.store.OutboxStore` implements it on a Django database alias;
-:class:`~celery_outbox.store.memory.InMemoryStore` implements it in memory, for tests
-that drive the real relay loop without a database.
+Each consumer is typed against the role it uses and holds an object of that role
+only: the relay a :class:`RelayStore`, the enqueue path an :class:`EnqueueStore`
+(and a :class:`DedupStore` for ``dedup_key``), the admin and the ``outbox``
+commands an :class:`OperatorStore`, and so on. :class:`~.roles.Stores` builds the
+Django implementation of each on one database alias; :mod:`.memory` and
+:mod:`.memory_operator` hold in-memory twins of the relay's and the operator's.
+``tests/contract`` holds one contract suite per role, run on every implementation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..outcomes import Settlement
-from .types import Claim, SettleReport
+from .types import (
+    Claim,
+    DeadLetterFilter,
+    Progress,
+    PurgeReport,
+    ReplayReport,
+    SettleReport,
+    Stats,
+    Summary,
+    TopFailures,
+)
+
+if TYPE_CHECKING:
+    from ..envelope import Envelope
+    from ..ordering.options import Policy
+    from .events import DeadEvent
+    from .history import MessageTrace
+    from .ordering import BlockedHead, OrderingStats
 
 
 class RelayStore(Protocol):
@@ -64,4 +85,194 @@ class RelayStore(Protocol):
 
     def reset_connection(self) -> None:
         """Drop a connection that failed, so that the next call reconnects."""
+        ...
+
+
+class EnqueueStore(Protocol):
+    """Writes new outbox rows, due at once, in the caller's transaction."""
+
+    def insert(self, envelopes: Sequence[Envelope], *, notify: bool = False) -> None:
+        """Write the messages as rows with no attempt used; none for an empty list.
+
+        ``notify`` asks, where the database can, for the hint that wakes a relay
+        when the transaction commits.
+        """
+        ...
+
+
+class DedupStore(Protocol):
+    """Keys that refuse a second enqueue while the first task holds them."""
+
+    def hold_keys(self, envelopes: Sequence[Envelope]) -> dict[str, str]:
+        """Take each envelope's ``dedup_key`` for its task, in the caller's transaction.
+
+        Returns ``{task_id: holder_task_id}`` for the envelopes whose key another
+        task still holds (its row waits, or its window has not passed).
+        """
+        ...
+
+    def purge_dedup_keys(self, chunk_size: int = ...) -> int:
+        """Delete the keys no task holds any more; how many."""
+        ...
+
+
+class OperatorStore(Protocol):
+    """What an operator asks of and does to the outbox and its dead letters.
+
+    Rows a relay holds under a live lease are left alone by every change.
+    """
+
+    def stats(self) -> Stats:
+        """Pending, due, in-flight and dead rows, and the oldest row's age."""
+        ...
+
+    def summary(self, groups: int = ...) -> Summary:
+        """Totals, rows waiting for a retry, and the largest backlogs by task and queue."""
+        ...
+
+    def top_failures(self, limit: int = ...) -> TopFailures:
+        """The task names with most refused rows, and with most dead letters."""
+        ...
+
+    def retry_now(self, ids: Sequence[int]) -> list[int]:
+        """Make those rows due now; the ids changed."""
+        ...
+
+    def move_to_dead_letters(self, ids: Sequence[int], reason: str) -> list[int]:
+        """Move those rows to the dead letters with ``reason``; the ids moved."""
+        ...
+
+    def replay_dead_letters(
+        self,
+        selection: DeadLetterFilter,
+        *,
+        dry_run: bool = ...,
+        chunk_size: int = ...,
+        progress: Progress | None = ...,
+    ) -> ReplayReport:
+        """Put the matching dead letters back into the outbox, due now, attempts reset.
+
+        With ``dry_run`` nothing changes and the report says what would be replayed.
+        """
+        ...
+
+    def purge_dead_letters(
+        self,
+        older_than: float,
+        *,
+        task: str | None = ...,
+        dry_run: bool = ...,
+        chunk_size: int = ...,
+    ) -> PurgeReport:
+        """Delete dead letters older than ``older_than`` seconds (``task``: a glob)."""
+        ...
+
+    def delete_dead_letters(self, ids: Sequence[int]) -> list[int]:
+        """Delete those dead letters; the ids that existed and were deleted."""
+        ...
+
+
+class OrderingStore(Protocol):
+    """Ordered keys' heads: the worker's reports on strict tasks, the operator's
+    actions on blocked heads, and the keys' statistics."""
+
+    def task_started(self, task_id: str, running_seconds: float) -> int:
+        """A strict task began: its key stays held ``running_seconds`` from now."""
+        ...
+
+    def task_done(self, task_id: str) -> int:
+        """A strict task finished: its row goes and its key moves on."""
+        ...
+
+    def task_failed(self, task_id: str, error: str, policy: Policy) -> int:
+        """A strict task failed for good: block its key, or dead-letter it and go on."""
+        ...
+
+    def task_retrying(self, task_id: str, seconds: float) -> int:
+        """A strict task will run again: its key stays held ``seconds`` from now."""
+        ...
+
+    def blocked_heads(self) -> tuple[BlockedHead, ...]:
+        """Every blocked key's head, oldest first."""
+        ...
+
+    def retry_head(self, key: str) -> int:
+        """Make a blocked key's head due now, with fresh attempts."""
+        ...
+
+    def dead_letter_head(self, key: str) -> int:
+        """Move a blocked key's head to the dead letters: the key goes on."""
+        ...
+
+    def skip_head(self, key: str, *, dead_letter: bool = ...) -> int:
+        """Take a blocked key's head out (to the dead letters, or deleted)."""
+        ...
+
+    def ordering_stats(self, top: int = ...) -> OrderingStats:
+        """Keys waiting, their rows, running and blocked heads, the deepest keys."""
+        ...
+
+
+class HistoryStore(Protocol):
+    """Where a message is now, what happened to it, and the history's retention."""
+
+    def check_history(self) -> None:
+        """With history on, refuse to go on without its table."""
+        ...
+
+    def trace(self, task_id: str) -> MessageTrace:
+        """The task's outbox rows, dead letters and history events."""
+        ...
+
+    def purge_history(self, older_than: float, chunk_size: int = ...) -> int:
+        """Delete events older than ``older_than`` seconds; how many."""
+        ...
+
+
+class RegistryStore(Protocol):
+    """Relay heartbeats, and the takeover of a silent relay's leases."""
+
+    @property
+    def holder(self) -> str | None:
+        """The heartbeat id of the relay this object beats for."""
+        ...
+
+    def beat(self, relay_id: str, name: str) -> None:
+        """Record that ``relay_id`` is alive now; adds its row if it went."""
+        ...
+
+    def take_over(self, stale_seconds: float) -> int:
+        """End the leases held by relays silent for ``stale_seconds``; how many rows."""
+        ...
+
+    def leave(self, relay_id: str) -> None:
+        """Remove ``relay_id``'s heartbeat (a relay that stops cleanly)."""
+        ...
+
+    def reset_connection(self) -> None:
+        """Drop a connection that failed, so that the next call reconnects."""
+        ...
+
+
+class EventStore(Protocol):
+    """Event retries the database holds, and a service's archive of dead events."""
+
+    def insert_later(self, envelopes: Sequence[Envelope], delay: float) -> None:
+        """Write messages due ``delay`` seconds from now, in the caller's transaction."""
+        ...
+
+    def insert_dead(self, envelopes: Sequence[Envelope], reason: str) -> None:
+        """Write messages straight into the dead letters with ``reason``."""
+        ...
+
+    def dead_events(self, prefix: str, limit: int | None = ...) -> list[DeadEvent]:
+        """Dead letters whose routing key starts with ``prefix``, oldest first."""
+        ...
+
+    def count_dead_events(self, prefix: str) -> int:
+        """How many dead letters are routed to queues starting with ``prefix``."""
+        ...
+
+    def waiting_retries(self, prefix: str) -> int:
+        """Outbox rows routed to queues starting with ``prefix``."""
         ...

@@ -1,7 +1,8 @@
-"""OutboxStore: every read and write of the outbox tables goes through the store package.
+"""The enqueue's writes and the relay's claims and settlements on the outbox table.
 
-This module holds the enqueue and relay paths (insert, claim, settle, renew, stats);
-:mod:`.operator` the operator queries; :mod:`.dialects` the vendor SQL.
+:class:`OutboxWriter` is what the enqueue path writes (:class:`~.protocol.EnqueueStore`),
+:class:`RelayQueries` what a relay claims and settles (:class:`~.protocol.RelayStore`);
+:mod:`.operator` holds the operator queries, :mod:`.dialects` the vendor SQL.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..exceptions import (
 from ..outcomes import Action, Decision, Settlement
 from ..queues import is_spec
 from ..states import DEAD
-from .dedup import DedupKeys
+from .base import StoreBase
 from .dialects import (
     COLUMN_LIMITS,
     DEAD_TABLE,
@@ -46,11 +47,9 @@ from .dialects import (
     placeholders,
 )
 from .held import HELD_ROWS, HeldRows
-from .history import HistoryLog
+from .history import HistoryWriter
 from .notify import HINTS, remember_hint
-from .operator import OperatorQueries
-from .ordering import OrderingQueries
-from .relays import RelayRegistry
+from .ordering import KeyedClaims
 from .types import (
     Claim,
     SettleReport,
@@ -59,15 +58,8 @@ from .types import (
 logger = logging.getLogger("celery_outbox.store")
 
 
-class OutboxStore(
-    DedupKeys, RelayRegistry, OperatorQueries, OrderingQueries, HistoryLog
-):
-    """The one door to the outbox tables on one database alias.
-
-    ``history`` writes each message's history (None: ``CELERY_OUTBOX_HISTORY``).
-    """
-
-    # -- enqueue ---------------------------------------------------------------
+class OutboxWriter(StoreBase):
+    """What the enqueue path writes: outbox rows, in the caller's transaction."""
 
     def insert(self, envelopes: Sequence[Envelope], *, notify: bool = False) -> None:
         """Write messages in the caller's current transaction, in one statement.
@@ -130,7 +122,18 @@ class OutboxStore(
         )
         return sql, params
 
-    # -- relay -----------------------------------------------------------------
+
+class RelayQueries(KeyedClaims, HistoryWriter):
+    """What a relay claims and settles, each write fenced by the lease token.
+
+    ``holder`` is the heartbeat id the claims are made for (None: publish-on-commit);
+    ``history`` writes each settled message's history (None: ``CELERY_OUTBOX_HISTORY``).
+    """
+
+    @property
+    def concurrent_claims(self) -> bool:
+        """Whether several claims may run at once (row locks: not SQLite)."""
+        return self.dialect.concurrent_claims
 
     def claim(
         self, limit: int, lease_seconds: float, *, task_ids: Sequence[str] = ()
@@ -241,14 +244,6 @@ class OutboxStore(
             cursor.execute(f"SELECT 1 FROM {MESSAGE_TABLE} WHERE 1 = 0", [])
             cursor.fetchall()
         self.check_history()
-
-    def reset_connection(self) -> None:
-        """Drop a connection that failed, so the next statement reconnects."""
-        connection = self.connection
-        if connection.in_atomic_block:
-            return
-        with contextlib.suppress(Exception):
-            connection.close()
 
     @contextlib.contextmanager
     def relay_lock(self) -> Iterator[None]:

@@ -1,20 +1,24 @@
-"""The store contract: what the relay relies on, for every store backend.
+"""The relay's and the enqueue's contracts, for every store backend.
 
-A runner subclasses :class:`StoreContract` in a ``Test*`` class and provides a
-``harness`` fixture (a :class:`StoreHarness`): ``tests/unit/test_memory_store.py``
-for :class:`InMemoryStore` on a fake clock, ``tests/integration/test_store_contract.py``
-for :class:`OutboxStore` on every database alias, where time really passes.
+:class:`StoreContract` holds what the relay relies on
+(:class:`~celery_outbox.store.RelayStore`), :class:`EnqueueContract` what the
+enqueue path's writer promises (:class:`~celery_outbox.store.EnqueueStore`). A
+runner subclasses one in a ``Test*`` class and provides a ``harness`` fixture:
+``tests/unit/test_memory_store.py`` for :class:`InMemoryStore` on a fake clock,
+``tests/integration/test_store_contract.py`` for the Django stores on every
+database alias, where time really passes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store.protocol import RelayStore
+from celery_outbox.store.protocol import EnqueueStore, RelayStore
 from celery_outbox.store.types import SettleReport
 
 from ..integration.builders import envelope
@@ -267,3 +271,41 @@ class StoreContract:
         assert harness.store.settle(claim.token, Settlement()) == SettleReport()
         assert harness.store.renew(claim.token, [], LONG) == 0
         assert harness.pending() == 1
+
+
+class EnqueueHarness(StoreHarness, Protocol):
+    """A backend's enqueue writer, beside the relay's store that reads its rows back."""
+
+    writer: EnqueueStore
+
+    def transaction(self) -> AbstractContextManager[object]:
+        """The caller's transaction the writer writes in (committed on exit)."""
+        ...
+
+
+class EnqueueContract:
+    """Tests every enqueue writer must pass; the runner provides ``harness``."""
+
+    def test_rows_are_written_due_at_once_whole_and_in_order(
+        self, harness: EnqueueHarness
+    ) -> None:
+        sent = [envelope("a", headers={"id": "a", "n": 1}), envelope("b")]
+        with harness.transaction():
+            harness.writer.insert(sent)
+        claimed = harness.store.claim(10, LONG).messages
+        assert [m.envelope for m in claimed] == sent
+        assert [m.attempts for m in claimed] == [0, 0]
+        assert [harness.state(m.id) for m in claimed] == [(0, "")] * 2
+
+    def test_an_empty_write_writes_nothing(self, harness: EnqueueHarness) -> None:
+        with harness.transaction():
+            harness.writer.insert([])
+        assert harness.pending() == 0
+
+    def test_the_wake_up_hint_changes_nothing_a_relay_reads(
+        self, harness: EnqueueHarness
+    ) -> None:
+        sent = [envelope("hinted")]
+        with harness.transaction():
+            harness.writer.insert(sent, notify=True)
+        assert [m.envelope for m in harness.store.claim(10, LONG).messages] == sent

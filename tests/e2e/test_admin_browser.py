@@ -41,7 +41,7 @@ from selenium.webdriver.support.wait import WebDriverWait
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import RelayStore, Stores
 from tests.integration.builders import dead_letter_due, envelope
 
 pytestmark = [
@@ -153,10 +153,10 @@ class Rows:
     dead: list[int]
 
 
-def insert(store: OutboxStore, *tags: str, **overrides: object) -> list[int]:
+def insert(store: RelayStore, *tags: str, **overrides: object) -> list[int]:
     envelopes = [envelope(tag, **overrides) for tag in tags]
     with transaction.atomic(using=store.alias):
-        store.insert(envelopes)
+        Stores(store.alias).writer().insert(envelopes)
     return [OutboxMessage.objects.get(task_id=e.task_id).id for e in envelopes]
 
 
@@ -177,7 +177,7 @@ def message(
 @pytest.fixture
 def outbox_rows() -> Rows:
     """Two dead letters, two rows waiting for retry (refused once), three due rows."""
-    store = OutboxStore("default")
+    store = Stores("default").relay()
     invoice = message(
         "billing.send_invoice", "billing", ["INV-2024-0042"], {"amount": "19.99"}
     )

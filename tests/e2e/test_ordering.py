@@ -18,7 +18,7 @@ import pytest
 from django.db import transaction
 
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 from tests.e2e.conftest import BROKER_AMQP, Stack, wait_until
 from tests.project.shop.models import TaskRun
 from tests.project.shop.tasks import ordered
@@ -148,7 +148,7 @@ def test_a_failing_strict_head_blocks_only_its_key_until_skipped(e2e: object) ->
                 )
     runs = TaskRun.objects.using(alias).filter(tag__startswith=f"{prefix}:")
     wait_until(lambda: runs.count() >= 17, 60, "the other keys to drain")
-    store = OutboxStore(alias)
+    store = Stores(alias).ordering()
     wait_until(lambda: bool(store.blocked_heads()), 30, "the head to be blocked")
     (head,) = store.blocked_heads()
     assert head.key == f"{prefix}:0" and "ValueError" in head.last_error

@@ -9,10 +9,11 @@ from typing import Any
 from django.db import connections
 
 from celery_outbox.envelope import Envelope
+from celery_outbox.ordering.options import HEADER
 from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.relay.events import StopReason
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import RelayStore
 
 
 def envelope(tag: str = "", **overrides: Any) -> Envelope:
@@ -38,8 +39,21 @@ def envelope(tag: str = "", **overrides: Any) -> Envelope:
     return Envelope(**values)
 
 
+def keyed(
+    tag: str, key: str | None, flags: str = "", task: str = "shop.record"
+) -> Envelope:
+    """A message of ``task`` with ``ordering_key`` and the ordering header ``flags``."""
+    built = envelope(tag, ordering_key=key, task_name=task)
+    headers = dict(built.headers)
+    if flags:
+        headers[HEADER] = flags
+    return envelope(
+        tag, task_id=built.task_id, ordering_key=key, task_name=task, headers=headers
+    )
+
+
 def dead_letter_due(
-    store: OutboxStore, limit: int, reason: str = "PreconditionFailed: too big"
+    store: RelayStore, limit: int, reason: str = "PreconditionFailed: too big"
 ) -> int:
     """Claim up to ``limit`` due rows and dead-letter them as the relay would; how many."""
     claim = store.claim(limit, 30)

@@ -12,7 +12,8 @@ from kombu.compression import compress
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
+from celery_outbox.store.operator import OperatorQueries
 
 from .builders import dead_letter_due, envelope
 
@@ -23,14 +24,14 @@ DEAD = "/admin/celery_outbox/deadletter/"
 
 
 @pytest.fixture
-def store() -> OutboxStore:
-    return OutboxStore("default")
+def store() -> OperatorQueries:
+    return Stores("default").operator()
 
 
-def add(store: OutboxStore, *tags: str, **overrides: object) -> list[int]:
+def add(store: OperatorQueries, *tags: str, **overrides: object) -> list[int]:
     envelopes = [envelope(tag, **overrides) for tag in tags]
     with transaction.atomic(using=store.alias):
-        store.insert(envelopes)
+        Stores(store.alias).writer().insert(envelopes)
     return [
         OutboxMessage.objects.using("default").get(task_id=e.task_id).id
         for e in envelopes
@@ -42,8 +43,8 @@ def secret_body(**overrides: object) -> dict[str, object]:
     return {"body": body, **overrides}
 
 
-def kill_all(store: OutboxStore) -> list[int]:
-    dead_letter_due(store, 100, "PreconditionFailed: too big")
+def kill_all(store: OperatorQueries) -> list[int]:
+    dead_letter_due(Stores(store.alias).relay(), 100, "PreconditionFailed: too big")
     return list(DeadLetter.objects.using("default").values_list("id", flat=True))
 
 
@@ -55,11 +56,13 @@ def logged(flag: int) -> list[str]:
     )
 
 
-def test_changelist_shows_the_summary(admin_client: Client, store: OutboxStore) -> None:
+def test_changelist_shows_the_summary(
+    admin_client: Client, store: OperatorQueries
+) -> None:
     add(store, "a", "b")
     add(store, "c", task_name="shop.add", queue="other")
-    claim = store.claim(1, 30)
-    store.settle(
+    claim = Stores(store.alias).relay().claim(1, 30)
+    Stores(store.alias).relay().settle(
         claim.token,
         Settlement(
             retry=(Decision(claim.messages[0].id, Action.RETRY, 600, "NotFound: q"),)
@@ -82,7 +85,7 @@ def test_changelist_shows_the_summary(admin_client: Client, store: OutboxStore) 
     assert "1 outbox message" in filtered
 
 
-def test_the_admin_is_read_only(admin_client: Client, store: OutboxStore) -> None:
+def test_the_admin_is_read_only(admin_client: Client, store: OperatorQueries) -> None:
     (row,) = add(store, "a")
     assert admin_client.get(f"{OUTBOX}add/").status_code == 403
     page = admin_client.get(f"{OUTBOX}{row}/change/").content.decode()
@@ -91,7 +94,7 @@ def test_the_admin_is_read_only(admin_client: Client, store: OutboxStore) -> Non
 
 
 def test_detail_shows_decoded_arguments(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OperatorQueries
 ) -> None:
     (plain,) = add(store, "plain", **secret_body())
     data, codec = compress(secret_body()["body"], "zlib")
@@ -109,7 +112,7 @@ def test_detail_shows_decoded_arguments(
 
 
 def test_detail_shows_headers_and_properties_as_formatted_json(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OperatorQueries
 ) -> None:
     (row,) = add(
         store,
@@ -131,7 +134,7 @@ def test_detail_shows_headers_and_properties_as_formatted_json(
 
 
 @override_settings(CELERY_OUTBOX_REDACTOR="tests.integration.redactors.hide_passwords")
-def test_detail_redacts_arguments(admin_client: Client, store: OutboxStore) -> None:
+def test_detail_redacts_arguments(admin_client: Client, store: OperatorQueries) -> None:
     add(
         store,
         "secret",
@@ -151,7 +154,7 @@ def test_detail_redacts_arguments(admin_client: Client, store: OutboxStore) -> N
 
 @override_settings(CELERY_OUTBOX_REDACTOR="tests.integration.redactors.broken")
 def test_a_failing_redactor_hides_everything(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OperatorQueries
 ) -> None:
     (row,) = add(store, "secret", **secret_body())
     html = admin_client.get(f"{OUTBOX}{row}/change/").content.decode()
@@ -160,10 +163,10 @@ def test_a_failing_redactor_hides_everything(
     assert "the redactor raised an error" in html
 
 
-def test_action_retry_now(admin_client: Client, store: OutboxStore) -> None:
+def test_action_retry_now(admin_client: Client, store: OperatorQueries) -> None:
     (row,) = add(store, "a")
-    claim = store.claim(1, 30)
-    store.settle(
+    claim = Stores(store.alias).relay().claim(1, 30)
+    Stores(store.alias).relay().settle(
         claim.token, Settlement(retry=(Decision(row, Action.RETRY, 600, "NotFound"),))
     )
     assert store.stats().due == 0
@@ -177,9 +180,11 @@ def test_action_retry_now(admin_client: Client, store: OutboxStore) -> None:
     assert logged(CHANGE) == ["Made due now (retry now)."]
 
 
-def test_action_move_to_dead_letters(admin_client: Client, store: OutboxStore) -> None:
+def test_action_move_to_dead_letters(
+    admin_client: Client, store: OperatorQueries
+) -> None:
     leased, free = add(store, "leased", "free")
-    assert [m.id for m in store.claim(1, 30).messages] == [leased]
+    assert [m.id for m in Stores(store.alias).relay().claim(1, 30).messages] == [leased]
 
     page = admin_client.post(
         OUTBOX,
@@ -202,7 +207,7 @@ def test_action_move_to_dead_letters(admin_client: Client, store: OutboxStore) -
 
 
 def test_replaying_a_selection_someone_already_replayed_replays_nothing(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OperatorQueries
 ) -> None:
     # "Go" pressed twice, or a colleague was quicker: the selected row is gone.
     add(store, "picked", "other-1", "other-2")
@@ -216,7 +221,7 @@ def test_replaying_a_selection_someone_already_replayed_replays_nothing(
 
 
 def test_dead_letter_actions_replay_and_delete(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OperatorQueries
 ) -> None:
     add(store, "again", "gone")
     first, second = sorted(kill_all(store))
@@ -226,7 +231,9 @@ def test_dead_letter_actions_replay_and_delete(
         DEAD, {"action": "replay", "_selected_action": [first]}, follow=True
     )
     assert "1 dead letter(s) replayed into the outbox." in page.content.decode()
-    assert [m.envelope.task_id for m in store.claim(10, 30).messages] == [replayed_task]
+    assert [
+        m.envelope.task_id for m in Stores(store.alias).relay().claim(10, 30).messages
+    ] == [replayed_task]
     assert logged(CHANGE) == [
         "Replayed into the outbox (same message, attempts reset)."
     ]
@@ -252,7 +259,7 @@ def test_dead_letter_actions_replay_and_delete(
 )
 def test_an_action_on_more_rows_than_the_limit_does_nothing_and_says_why(
     admin_client: Client,
-    store: OutboxStore,
+    store: OperatorQueries,
     monkeypatch: pytest.MonkeyPatch,
     page: str,
     action: str,

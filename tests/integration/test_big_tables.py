@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.db import connections, transaction
 
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from .builders import envelope
 
@@ -54,14 +54,14 @@ def fill_mysql(rows: int) -> None:
 
 def test_postgresql_claim_is_an_index_scan_over_a_million_waiting_rows() -> None:
     fill_postgresql(1_000_000)
-    store = OutboxStore("default")
+    store = Stores("default").operator()
     with transaction.atomic():
-        store.insert([envelope(f"due-{i}") for i in range(10)])
+        Stores("default").writer().insert([envelope(f"due-{i}") for i in range(10)])
     plan = store.explain_claim(500)
     assert '"Index Name": "celery_outbox_due_idx"' in plan, plan
     assert '"Node Type": "Seq Scan"' not in plan, plan
     assert '"Node Type": "Sort"' not in plan, plan  # the index gives the order
-    claim = store.claim(500, 30)
+    claim = Stores("default").relay().claim(500, 30)
     assert (
         sorted(m.envelope.task_id.split("-")[0] for m in claim.messages) == ["due"] * 10
     )
@@ -69,19 +69,19 @@ def test_postgresql_claim_is_an_index_scan_over_a_million_waiting_rows() -> None
 
 def test_mariadb_claim_is_an_index_range_over_waiting_rows() -> None:
     fill_mysql(300_000)
-    store = OutboxStore("mysql")
+    store = Stores("mysql").operator()
     with transaction.atomic(using="mysql"):
-        store.insert([envelope(f"due-{i}") for i in range(10)])
+        Stores("mysql").writer().insert([envelope(f"due-{i}") for i in range(10)])
     plan = store.explain_claim(500)
     assert '"key": "celery_outbox_due_idx"' in plan, plan
     assert '"access_type": "range"' in plan, plan
     assert "filesort" not in plan, plan
-    claim = store.claim(500, 30)
+    claim = Stores("mysql").relay().claim(500, 30)
     assert len(claim.messages) == 10
 
 
 def test_sqlite_claim_uses_the_due_index() -> None:
-    store = OutboxStore("sqlite")
+    store = Stores("sqlite").operator()
     plan = store.explain_claim(500)
     assert "celery_outbox_due_idx" in plan, plan
     assert "USE TEMP B-TREE" not in plan, plan

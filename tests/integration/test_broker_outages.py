@@ -25,7 +25,7 @@ from celery_outbox.conf import OutboxSettings
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from ..conftest import BROKER_AMQP, BROKER_REDIS
 from .builders import envelope
@@ -118,7 +118,7 @@ def redis_publisher(url: str, queue: str) -> RedisPublisher:
 
 def enqueue(queue: str) -> None:
     with transaction.atomic(using=ALIAS):
-        OutboxStore(ALIAS).insert(
+        Stores(ALIAS).writer().insert(
             [
                 envelope(f"o{i}", routing_key=queue, declare=(queue,), queue=queue)
                 for i in range(ROWS)
@@ -131,7 +131,7 @@ def assert_outage_charges_nothing(
 ) -> Relay:
     """Three cycles against ``publisher``: every row waits, unharmed, and why is logged."""
     config = RelayConfig.from_settings(STRICT, breaker_threshold=100)
-    relay = Relay(OutboxStore(ALIAS), publisher, config, listeners=())
+    relay = Relay(Stores(ALIAS).relay(), publisher, config, listeners=())
     with caplog.at_level(logging.WARNING, logger="celery_outbox"):
         for _ in range(3):
             relay.run_once()

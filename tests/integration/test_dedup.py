@@ -11,7 +11,7 @@ from django.db import connections, transaction
 
 from celery_outbox.exceptions import OutboxValueError
 from celery_outbox.models import DedupKey, OutboxMessage
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import record
 
@@ -95,7 +95,7 @@ def test_ended_keys_are_purged_and_held_ones_kept(on_alias: str) -> None:
     publish_all(on_alias)
     with transaction.atomic(using=on_alias):
         record.apply_async(("c",), dedup_key="waiting")
-    assert OutboxStore(on_alias).purge_dedup_keys(chunk_size=1) == 1
+    assert Stores(on_alias).dedup().purge_dedup_keys(chunk_size=1) == 1
     assert sorted(
         DedupKey.objects.using(on_alias).values_list("dedup_key", flat=True)
     ) == [

@@ -31,7 +31,7 @@ from celery_outbox.inbox.signals import duplicate_skipped
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 from tests.events_project.catalog import declare_events
 from tests.project.shop.models import TaskRun
 
@@ -302,7 +302,7 @@ def relay_until_empty(app: OutboxCelery) -> None:
     publisher = build_publisher(app, settings)
     try:
         config = RelayConfig.from_settings(settings, until_empty=True)
-        Relay(OutboxStore("default"), publisher, config, listeners=()).run()
+        Relay(Stores("default").relay(), publisher, config, listeners=()).run()
     finally:
         publisher.close()
 
@@ -385,7 +385,7 @@ def test_held_a_failed_handler_is_retried_through_the_outbox_then_archived(
         delay = (row.available_at - row.created_at).total_seconds()
         assert abs(delay - 2**retries) < 0.05, delay
         # Due now: the relay sends it to the failing handler's queue only.
-        OutboxStore("default").retry_now([row.id])
+        Stores("default").operator().retry_now([row.id])
         relay_until_empty(app)
         assert held.ids_in(queue) == [7]
     assert effects() == 2  # each failure committed its effect (no inbox)

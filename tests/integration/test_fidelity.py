@@ -44,10 +44,9 @@ from celery_outbox import OutboxCelery
 from celery_outbox import app as outbox_app_module
 from celery_outbox.broker import build_publisher
 from celery_outbox.conf import get_settings
-from celery_outbox.enqueue import outbox_alias
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Cycle, Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import outbox_stores
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -711,19 +710,19 @@ def receive(
 def relay_once(app: OutboxCelery, expected_rows: int) -> None:
     """One real relay cycle: claim the committed rows, publish them, settle."""
     settings = get_settings()
-    store = OutboxStore(outbox_alias(settings))
-    assert store.stats().pending == expected_rows, (
+    stores = outbox_stores(settings)
+    assert stores.operator().stats().pending == expected_rows, (
         "the call did not go through the outbox"
     )
     publisher = build_publisher(app, settings)
     relay = Relay(
-        store, publisher, RelayConfig.from_settings(settings, until_empty=True)
+        stores.relay(), publisher, RelayConfig.from_settings(settings, until_empty=True)
     )
     try:
         assert relay.run_once() is Cycle.PARTIAL
     finally:
         publisher.close()
-    stats = store.stats()
+    stats = stores.operator().stats()
     assert (stats.pending, stats.dead) == (0, 0), f"the relay did not publish: {stats}"
 
 

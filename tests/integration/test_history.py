@@ -21,7 +21,7 @@ from django.test.utils import CaptureQueriesContext
 from celery_outbox.exceptions import OutboxConfigurationError
 from celery_outbox.models import DeadLetter, HistoryEvent
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import DeadLetterFilter, OutboxStore
+from celery_outbox.store import DeadLetterFilter, Stores
 from celery_outbox.store.history import process_name
 from celery_outbox.tasks import purge_dead_letters
 
@@ -36,28 +36,28 @@ RELAY_NAME = "relay-host:4242"
 
 
 @pytest.fixture
-def store(alias: str) -> OutboxStore:
-    """A relay's store with history on, its heartbeat row written."""
-    relay = OutboxStore(alias, holder=RELAY, history=True)
-    relay.beat(RELAY, RELAY_NAME)
-    return relay
+def store(alias: str) -> Stores:
+    """A relay's stores with history on, its heartbeat row written."""
+    stores = Stores(alias, holder=RELAY, history=True)
+    stores.registry().beat(RELAY, RELAY_NAME)
+    return stores
 
 
-def add(store: OutboxStore, *tags: str) -> list[str]:
+def add(store: Stores, *tags: str) -> list[str]:
     """Commit one row per tag; their task ids."""
     envelopes = [envelope(tag) for tag in tags]
     with transaction.atomic(using=store.alias):
-        store.insert(envelopes)
+        store.writer().insert(envelopes)
     return [e.task_id for e in envelopes]
 
 
 def settle_all(
-    store: OutboxStore, action: Action, error: str = "", delay: float = 0.0
+    store: Stores, action: Action, error: str = "", delay: float = 0.0
 ) -> int:
     """Claim every due row and settle each with ``action``; how many were claimed."""
-    claim = store.claim(100, 30)
+    claim = store.relay().claim(100, 30)
     decisions = [Decision(m.id, action, delay, error) for m in claim.messages]
-    store.settle(claim.token, Settlement.of(decisions))
+    store.relay().settle(claim.token, Settlement.of(decisions))
     return len(decisions)
 
 
@@ -75,7 +75,7 @@ def events(alias: str, task_id: str) -> list[tuple[str, int, str]]:
 
 
 def test_retries_then_publish_are_recorded_with_reasons_and_relay(
-    alias: str, store: OutboxStore
+    alias: str, store: Stores
 ) -> None:
     (task_id,) = add(store, "a")
     settle_all(store, Action.RETRY, "NotFound: no queue 'emails'")
@@ -97,12 +97,12 @@ def test_retries_then_publish_are_recorded_with_reasons_and_relay(
 
 
 def test_a_dead_letter_and_its_replay_keep_the_broker_reason(
-    alias: str, store: OutboxStore
+    alias: str, store: Stores
 ) -> None:
     (task_id,) = add(store, "a")
     settle_all(store, Action.DEAD_LETTER, "PreconditionFailed: message too big")
     dead = DeadLetter.objects.using(alias).get(task_id=task_id)
-    report = store.replay_dead_letters(DeadLetterFilter(ids=(dead.id,)))
+    report = store.operator().replay_dead_letters(DeadLetterFilter(ids=(dead.id,)))
     assert report.replayed == 1
     settle_all(store, Action.DELETE)
 
@@ -114,23 +114,21 @@ def test_a_dead_letter_and_its_replay_keep_the_broker_reason(
 
 
 def test_moving_to_the_dead_letters_by_hand_is_recorded(
-    alias: str, store: OutboxStore
+    alias: str, store: Stores
 ) -> None:
     (task_id,) = add(store, "a")
-    row = store.trace(task_id).rows[0]
-    assert store.move_to_dead_letters([row.id], "moved by alice from the admin") == [
-        row.id
-    ]
+    row = store.history_log().trace(task_id).rows[0]
+    assert store.operator().move_to_dead_letters(
+        [row.id], "moved by alice from the admin"
+    ) == [row.id]
     assert events(alias, task_id) == [("dead", 0, "moved by alice from the admin")]
 
 
-def test_strict_heads_and_blocked_heads_are_recorded(
-    alias: str, store: OutboxStore
-) -> None:
+def test_strict_heads_and_blocked_heads_are_recorded(alias: str, store: Stores) -> None:
     held, blocked = add(store, "held", "blocked")
-    claim = store.claim(10, 30)
+    claim = store.relay().claim(10, 30)
     by_task = {m.envelope.task_id: m.id for m in claim.messages}
-    store.settle(
+    store.relay().settle(
         claim.token,
         Settlement(
             hold=(Decision(by_task[held], Action.HOLD, 300.0),),
@@ -141,11 +139,11 @@ def test_strict_heads_and_blocked_heads_are_recorded(
     assert events(alias, blocked) == [("blocked", 1, "NotFound: q")]
 
 
-def test_a_batch_is_recorded_in_one_statement(alias: str, store: OutboxStore) -> None:
+def test_a_batch_is_recorded_in_one_statement(alias: str, store: Stores) -> None:
     add(store, *[f"t{n}" for n in range(40)])
-    claim = store.claim(100, 30)
+    claim = store.relay().claim(100, 30)
     with CaptureQueriesContext(connections[alias]) as queries:
-        store.settle(
+        store.relay().settle(
             claim.token, Settlement(delete=tuple(m.id for m in claim.messages))
         )
     inserts = [q for q in queries if "INSERT INTO celery_outbox_history" in q["sql"]]
@@ -153,10 +151,10 @@ def test_a_batch_is_recorded_in_one_statement(alias: str, store: OutboxStore) ->
     assert HistoryEvent.objects.using(alias).filter(event="published").count() == 40
 
 
-def test_a_lost_lease_records_nothing(alias: str, store: OutboxStore) -> None:
+def test_a_lost_lease_records_nothing(alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
-    claim = store.claim(10, 30)
-    report = store.settle(
+    claim = store.relay().claim(10, 30)
+    report = store.relay().settle(
         "someone-elses-token",
         Settlement(delete=tuple(m.id for m in claim.messages)),
     )
@@ -165,13 +163,13 @@ def test_a_lost_lease_records_nothing(alias: str, store: OutboxStore) -> None:
 
 
 def test_history_off_writes_nothing(alias: str) -> None:
-    store = OutboxStore(alias, holder=RELAY, history=False)
+    store = Stores(alias, holder=RELAY, history=False)
     add(store, "a", "b")
     settle_all(store, Action.RETRY, "NotFound: q")
     settle_all(store, Action.DEAD_LETTER, "NotFound: q")
-    store.replay_dead_letters(DeadLetterFilter(task="shop.*"))
+    store.operator().replay_dead_letters(DeadLetterFilter(task="shop.*"))
     settle_all(store, Action.DELETE)
-    assert store.stats().pending == 0
+    assert store.operator().stats().pending == 0
     assert HistoryEvent.objects.using(alias).count() == 0
 
 
@@ -180,20 +178,20 @@ def test_with_history_on_a_relay_refuses_to_start_without_its_table() -> None:
     call_command("migrate", "celery_outbox", "0006", database="default", verbosity=0)
     try:
         with pytest.raises(OutboxConfigurationError, match="migrate celery_outbox"):
-            OutboxStore("default", history=True).ping()
-        OutboxStore("default", history=False).ping()
+            Stores("default", history=True).relay().ping()
+        Stores("default", history=False).relay().ping()
     finally:
         call_command("migrate", "celery_outbox", database="default", verbosity=0)
-    OutboxStore("default", history=True).ping()
+    Stores("default", history=True).relay().ping()
 
 
 def test_the_setting_turns_history_on(alias: str) -> None:
     with override_settings(CELERY_OUTBOX_HISTORY=True):
-        store = OutboxStore(alias)
+        store = Stores(alias)
     (task_id,) = add(store, "a")
     settle_all(store, Action.DELETE)
     assert events(alias, task_id) == [("published", 1, "")]
-    assert OutboxStore(alias).history is False  # the default
+    assert Stores(alias).history is False  # the default
 
 
 # -- retention ----------------------------------------------------------------------
@@ -205,28 +203,28 @@ def age(alias: str, task_ids: list[str], days: float) -> None:
     )
 
 
-def test_purge_deletes_old_events_in_chunks(alias: str, store: OutboxStore) -> None:
+def test_purge_deletes_old_events_in_chunks(alias: str, store: Stores) -> None:
     old = add(store, "o1", "o2", "o3", "o4", "o5")
     settle_all(store, Action.DELETE)
     young = add(store, "y1", "y2")
     settle_all(store, Action.DELETE)
     age(alias, old, 8)
 
-    assert store.purge_history(7 * 86400, chunk_size=2) == 5
+    assert store.history_log().purge_history(7 * 86400, chunk_size=2) == 5
     left = HistoryEvent.objects.using(alias).values_list("task_id", flat=True)
     assert sorted(left) == sorted(young)
-    assert store.purge_history(7 * 86400, chunk_size=2) == 0
+    assert store.history_log().purge_history(7 * 86400, chunk_size=2) == 0
 
 
-def test_purge_of_an_all_old_history(alias: str, store: OutboxStore) -> None:
+def test_purge_of_an_all_old_history(alias: str, store: Stores) -> None:
     old = add(store, "o1", "o2", "o3")
     settle_all(store, Action.DELETE)
     age(alias, old, 8)
-    assert store.purge_history(7 * 86400, chunk_size=2) == 3
+    assert store.history_log().purge_history(7 * 86400, chunk_size=2) == 3
     assert HistoryEvent.objects.using(alias).count() == 0
 
 
-def test_the_retention_task_purges_the_history(alias: str, store: OutboxStore) -> None:
+def test_the_retention_task_purges_the_history(alias: str, store: Stores) -> None:
     old = add(store, "o1", "o2")
     settle_all(store, Action.DELETE)
     (young,) = add(store, "y")
@@ -272,7 +270,7 @@ def lines(text: str) -> dict[str, str]:
     return found
 
 
-def test_inspect_a_waiting_message(on_alias: str, store: OutboxStore) -> None:
+def test_inspect_a_waiting_message(on_alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
     report = lines(inspect(task_id))
     assert report["task id"] == task_id
@@ -283,16 +281,16 @@ def test_inspect_a_waiting_message(on_alias: str, store: OutboxStore) -> None:
     assert "history: no event yet" in inspect(task_id)
 
 
-def test_inspect_a_message_in_flight(on_alias: str, store: OutboxStore) -> None:
+def test_inspect_a_message_in_flight(on_alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
-    store.claim(10, 30)
+    store.relay().claim(10, 30)
     report = lines(inspect(task_id))
     assert report["state"] == "in_flight"
     assert report["leased to"] == f"relay {RELAY_NAME} ({RELAY})"
     assert report["lease ends"].endswith(" UTC")
 
 
-def test_inspect_a_retrying_message(on_alias: str, store: OutboxStore) -> None:
+def test_inspect_a_retrying_message(on_alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
     settle_all(store, Action.RETRY, "NotFound: no queue 'emails'", delay=600)
     text = inspect(task_id)
@@ -311,7 +309,7 @@ def test_inspect_a_retrying_message(on_alias: str, store: OutboxStore) -> None:
     assert "reason: NotFound: no queue 'emails'" in history[0]
 
 
-def test_inspect_a_deferred_message(on_alias: str, store: OutboxStore) -> None:
+def test_inspect_a_deferred_message(on_alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
     settle_all(store, Action.RELEASE, "ConnectionRefusedError: broker down", delay=600)
     report = lines(inspect(task_id))
@@ -320,7 +318,7 @@ def test_inspect_a_deferred_message(on_alias: str, store: OutboxStore) -> None:
     assert report["last error"] == "ConnectionRefusedError: broker down"
 
 
-def test_inspect_a_dead_letter(on_alias: str, store: OutboxStore) -> None:
+def test_inspect_a_dead_letter(on_alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
     settle_all(store, Action.DEAD_LETTER, "PreconditionFailed: message too big")
     dead = DeadLetter.objects.using(on_alias).get(task_id=task_id)
@@ -334,7 +332,7 @@ def test_inspect_a_dead_letter(on_alias: str, store: OutboxStore) -> None:
     assert report["attempts"] == "1"
 
 
-def test_inspect_a_published_message(on_alias: str, store: OutboxStore) -> None:
+def test_inspect_a_published_message(on_alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
     settle_all(store, Action.RETRY, "NotFound: q")
     settle_all(store, Action.DELETE)
@@ -350,7 +348,7 @@ def test_inspect_a_published_message(on_alias: str, store: OutboxStore) -> None:
     ]
 
 
-def test_inspect_as_json(on_alias: str, store: OutboxStore) -> None:
+def test_inspect_as_json(on_alias: str, store: Stores) -> None:
     (task_id,) = add(store, "a")
     settle_all(store, Action.DELETE)
     report = json.loads(inspect(task_id, "--format", "json"))
@@ -375,7 +373,7 @@ def test_inspect_an_unknown_task_id_fails(on_alias: str) -> None:
 def test_inspect_says_why_a_published_message_is_unknown_without_history(
     alias: str,
 ) -> None:
-    store = OutboxStore(alias, history=False)
+    store = Stores(alias, history=False)
     (task_id,) = add(store, "a")
     settle_all(store, Action.DELETE)
     with (

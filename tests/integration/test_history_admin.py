@@ -13,7 +13,7 @@ from django.test import Client
 from celery_outbox.history_admin import RESULTS_APP, result_url
 from celery_outbox.models import DeadLetter, HistoryEvent, OutboxMessage
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from .builders import envelope
 
@@ -25,21 +25,21 @@ HISTORY = "/admin/celery_outbox/historyevent/"
 
 
 @pytest.fixture
-def store() -> OutboxStore:
-    return OutboxStore("default", holder="b" * 32, history=True)
+def store() -> Stores:
+    return Stores("default", holder="b" * 32, history=True)
 
 
-def add(store: OutboxStore, tag: str) -> str:
+def add(store: Stores, tag: str) -> str:
     message = envelope(tag)
     with transaction.atomic(using=store.alias):
-        store.insert([message])
+        store.writer().insert([message])
     return message.task_id
 
 
-def settle(store: OutboxStore, action: Action, error: str = "") -> None:
-    claim = store.claim(10, 30)
+def settle(store: Stores, action: Action, error: str = "") -> None:
+    claim = store.relay().claim(10, 30)
     decisions = [Decision(m.id, action, 600.0, error) for m in claim.messages]
-    store.settle(claim.token, Settlement.of(decisions))
+    store.relay().settle(claim.token, Settlement.of(decisions))
 
 
 def link(path: str, task_id: str) -> str:
@@ -54,7 +54,7 @@ def page(client: Client, path: str, **query: str) -> str:
 
 
 def test_an_outbox_row_links_to_its_history(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: Stores
 ) -> None:
     task_id = add(store, "a")
     settle(store, Action.RETRY, "NotFound: no queue 'emails'")
@@ -72,7 +72,7 @@ def test_an_outbox_row_links_to_its_history(
 
 
 def test_a_dead_letter_links_to_its_history(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: Stores
 ) -> None:
     task_id = add(store, "a")
     settle(store, Action.DEAD_LETTER, "PreconditionFailed: message too big")
@@ -86,7 +86,7 @@ def test_a_dead_letter_links_to_its_history(
 
 
 def test_the_history_lists_only_the_asked_task(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: Stores
 ) -> None:
     first = add(store, "a")
     settle(store, Action.DELETE)
@@ -99,7 +99,7 @@ def test_the_history_lists_only_the_asked_task(
     assert "2 history events" in page(admin_client, HISTORY)
 
 
-def test_the_history_is_read_only(admin_client: Client, store: OutboxStore) -> None:
+def test_the_history_is_read_only(admin_client: Client, store: Stores) -> None:
     add(store, "a")
     settle(store, Action.DELETE)
     event = HistoryEvent.objects.using("default").get()
@@ -114,7 +114,7 @@ def test_the_history_is_read_only(admin_client: Client, store: OutboxStore) -> N
 
 
 def test_no_result_link_without_django_celery_results(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: Stores
 ) -> None:
     # This test project does not install django-celery-results: no link to its admin.
     assert not apps.is_installed(RESULTS_APP)

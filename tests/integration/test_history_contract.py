@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from celery_outbox.store import OutboxStore
-
 from ..contract.store_contract import StoreContract
 from .test_store_contract import DatabaseHarness
 
@@ -16,8 +14,7 @@ class HistoryHarness(DatabaseHarness):
     """The database harness, its store writing each message's history."""
 
     def __init__(self, alias: str) -> None:
-        super().__init__(alias)
-        self.store = OutboxStore(alias, history=True)
+        super().__init__(alias, history=True)
 
 
 @pytest.fixture
@@ -25,5 +22,5 @@ def harness(alias: str) -> HistoryHarness:
     return HistoryHarness(alias)
 
 
-class TestOutboxStoreWithHistory(StoreContract):
+class TestRelayQueriesWithHistory(StoreContract):
     """Everything the relay relies on, with history on, on every database."""

@@ -16,7 +16,8 @@ from django.test import override_settings
 from celery_outbox.durations import parse_duration, parse_moment
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import DeadLetterFilter, OutboxStore
+from celery_outbox.store import DeadLetterFilter, Stores
+from celery_outbox.store.operator import OperatorQueries
 from celery_outbox.tasks import purge_dead_letters
 
 from .builders import dead_letter_due, envelope
@@ -24,15 +25,15 @@ from .builders import dead_letter_due, envelope
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 
-def add(store: OutboxStore, *tags: str, **overrides: object) -> list[str]:
+def add(store: OperatorQueries, *tags: str, **overrides: object) -> list[str]:
     """Commit one row per tag; returns their task ids."""
     envelopes = [envelope(tag, **overrides) for tag in tags]
     with transaction.atomic(using=store.alias):
-        store.insert(envelopes)
+        Stores(store.alias).writer().insert(envelopes)
     return [e.task_id for e in envelopes]
 
 
-def row_id(store: OutboxStore, task_id: str) -> int:
+def row_id(store: OperatorQueries, task_id: str) -> int:
     return int(
         OutboxMessage.objects.using(store.alias)
         .values_list("id", flat=True)
@@ -40,18 +41,20 @@ def row_id(store: OutboxStore, task_id: str) -> int:
     )
 
 
-def fail_once(store: OutboxStore, delay: float = 600.0) -> int:
+def fail_once(store: OperatorQueries, delay: float = 600.0) -> int:
     """Claim the oldest due row and refuse it once: it waits ``delay`` for its retry."""
-    claim = store.claim(1, 30)
+    claim = Stores(store.alias).relay().claim(1, 30)
     row = claim.messages[0]
-    store.settle(
+    Stores(store.alias).relay().settle(
         claim.token,
         Settlement(retry=(Decision(row.id, Action.RETRY, delay, "NotFound: q"),)),
     )
     return row.id
 
 
-def kill(store: OutboxStore, *tags: str, task_name: str = "shop.record") -> list[str]:
+def kill(
+    store: OperatorQueries, *tags: str, task_name: str = "shop.record"
+) -> list[str]:
     """Commit rows and dead-letter them the way the relay does; returns their task ids.
 
     The relay claims the oldest due rows: call this before adding rows that must stay.
@@ -62,7 +65,7 @@ def kill(store: OutboxStore, *tags: str, task_name: str = "shop.record") -> list
         task_name=task_name,
         headers={"task": task_name, "compression": None},
     )
-    dead_letter_due(store, len(tags), "PreconditionFailed: big")
+    dead_letter_due(Stores(store.alias).relay(), len(tags), "PreconditionFailed: big")
     return ids
 
 
@@ -82,12 +85,14 @@ def age_dead_letters(alias: str, days: float, *task_ids: str) -> None:
 
 
 def test_summary_splits_the_backlog(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     kill(store, "d")
     add(store, "a", "b")
     add(store, "c", task_name="shop.add", queue="other")
     fail_once(store)  # a: waiting for its retry
-    assert len(store.claim(1, 30).messages) == 1  # b: leased, in flight; c is due
+    assert (
+        len(Stores(alias).relay().claim(1, 30).messages) == 1
+    )  # b: leased, in flight; c is due
 
     summary = store.summary()
 
@@ -106,50 +111,30 @@ def test_summary_splits_the_backlog(alias: str) -> None:
 
 
 def test_summary_of_an_empty_outbox(alias: str) -> None:
-    summary = OutboxStore(alias).summary()
+    summary = Stores(alias).operator().summary()
     assert (summary.pending, summary.dead, summary.backlog) == (0, 0, ())
     assert summary.oldest_pending_seconds is None
 
 
-def test_top_failures_rank_task_names(alias: str) -> None:
-    store = OutboxStore(alias)
-    add(store, "a", "b")
-    fail_once(store)
-    fail_once(store)
-    kill(store, "x", "y", task_name="shop.add")
-    kill(store, "z", task_name="shop.flaky")
-
-    top = store.top_failures(limit=5)
-
-    assert [
-        (t.task_name, t.rows, t.attempts, t.max_attempts) for t in top.retrying
-    ] == [("shop.record", 2, 2, 1)]
-    assert [(t.task_name, t.dead) for t in top.dead] == [
-        ("shop.add", 2),
-        ("shop.flaky", 1),
-    ]
-    assert [t.task_name for t in store.top_failures(limit=1).dead] == ["shop.add"]
-
-
 def test_retry_now_makes_rows_due_but_leaves_leased_rows_alone(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     add(store, "waiting", "leased")
     waiting = fail_once(store)
-    leased = store.claim(1, 30).messages[0].id
-    assert store.claim(10, 30).messages == ()
+    leased = Stores(alias).relay().claim(1, 30).messages[0].id
+    assert Stores(alias).relay().claim(10, 30).messages == ()
 
     assert store.retry_now([waiting, leased, 999_999]) == [waiting]
 
-    again = store.claim(10, 30).messages
+    again = Stores(alias).relay().claim(10, 30).messages
     assert [(m.id, m.attempts) for m in again] == [(waiting, 1)]
     assert store.summary().due == 0  # both are leased now
 
 
 def test_move_to_dead_letters_keeps_the_message_and_the_reason(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     leased_task, free_task = add(store, "leased", "free")
     leased, free = row_id(store, leased_task), row_id(store, free_task)
-    assert [m.id for m in store.claim(1, 30).messages] == [leased]
+    assert [m.id for m in Stores(alias).relay().claim(1, 30).messages] == [leased]
 
     moved = store.move_to_dead_letters([free, leased], "moved by ada from the admin")
 
@@ -167,7 +152,7 @@ def test_move_to_dead_letters_keeps_the_message_and_the_reason(alias: str) -> No
 
 
 def test_replay_by_id_puts_the_same_message_back_due_now(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     (task_id,) = kill(store, "poison")
     other = kill(store, "other")
     before = DeadLetter.objects.using(alias).get(task_id=task_id)
@@ -179,7 +164,7 @@ def test_replay_by_id_puts_the_same_message_back_due_now(alias: str) -> None:
     assert (
         list(DeadLetter.objects.using(alias).values_list("task_id", flat=True)) == other
     )
-    (message,) = store.claim(10, 30).messages
+    (message,) = Stores(alias).relay().claim(10, 30).messages
     assert message.attempts == 0
     assert message.envelope.task_id == task_id
     assert message.envelope.body == bytes(before.body)
@@ -187,7 +172,7 @@ def test_replay_by_id_puts_the_same_message_back_due_now(alias: str) -> None:
 
 
 def test_replay_dry_run_changes_nothing(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     kill(store, "a", "b", task_name="billing.charge")
     kill(store, "c", task_name="shop.add")
 
@@ -200,7 +185,7 @@ def test_replay_dry_run_changes_nothing(alias: str) -> None:
 
 
 def test_replay_by_glob_and_time_window(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     old = kill(store, "old", task_name="billing.charge")
     recent = kill(store, "recent", task_name="billing.refund")
     kill(store, "elsewhere", task_name="shop.add")
@@ -211,19 +196,23 @@ def test_replay_by_glob_and_time_window(alias: str) -> None:
         DeadLetterFilter(task="billing.*", since=now - timedelta(hours=1))
     )
     assert (in_window.replayed, dict(in_window.by_task)) == (1, {"billing.refund": 1})
-    assert [m.envelope.task_id for m in store.claim(10, 30).messages] == recent
+    assert [
+        m.envelope.task_id for m in Stores(alias).relay().claim(10, 30).messages
+    ] == recent
 
     older = store.replay_dead_letters(
         DeadLetterFilter(until=now - timedelta(days=1), since=now - timedelta(days=4))
     )
     assert older.replayed == 1
-    assert [m.envelope.task_id for m in store.claim(10, 30).messages] == old
+    assert [
+        m.envelope.task_id for m in Stores(alias).relay().claim(10, 30).messages
+    ] == old
     assert store.replay_dead_letters(DeadLetterFilter(task="nothing.*")).matched == 0
     assert store.stats().dead == 1
 
 
 def test_replay_in_chunks_reports_progress(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     task_ids = kill(store, "a", "b", "c", "d", "e")
     seen: list[tuple[int, int]] = []
 
@@ -235,9 +224,9 @@ def test_replay_in_chunks_reports_progress(alias: str) -> None:
 
     assert report.replayed == 5
     assert seen == [(2, 5), (4, 5), (5, 5)]
-    assert sorted(m.envelope.task_id for m in store.claim(10, 30).messages) == sorted(
-        task_ids
-    )
+    assert sorted(
+        m.envelope.task_id for m in Stores(alias).relay().claim(10, 30).messages
+    ) == sorted(task_ids)
     assert store.stats().dead == 0
 
 
@@ -245,13 +234,13 @@ def test_replay_takes_only_what_matched_when_it_started(alias: str) -> None:
     # The relay may refuse the replayed rows again while the replay runs (the queue
     # is still missing, say): their new dead letters must not be replayed too, or
     # the two chase each other for ever.
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     kill(store, "a", "b", "c", "d")
     seen: list[tuple[int, int]] = []
 
     def relay_refuses_meanwhile(done: int, total: int) -> None:
         seen.append((done, total))
-        dead_letter_due(store, 10)
+        dead_letter_due(Stores(alias).relay(), 10)
         assert len(seen) <= 2, f"replay still running: {seen}"
 
     report = store.replay_dead_letters(
@@ -266,7 +255,7 @@ def test_replay_takes_only_what_matched_when_it_started(alias: str) -> None:
 def test_an_empty_id_list_matches_no_dead_letter(alias: str) -> None:
     # The admin passes the ids it found; a selection already replayed or deleted
     # by someone else leaves none, which must not mean "every dead letter".
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     kill(store, "a", "b")
     report = store.replay_dead_letters(DeadLetterFilter(ids=()))
     assert (report.matched, report.replayed) == (0, 0)
@@ -276,7 +265,7 @@ def test_an_empty_id_list_matches_no_dead_letter(alias: str) -> None:
 def test_task_globs_tell_capitals_apart(alias: str) -> None:
     # MySQL's default collation folds case: "shop.Export" must still not select
     # "shop.export", in a replay or in a purge.
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     kill(store, "upper", task_name="shop.Export")
     kill(store, "lower", task_name="shop.export")
     report = store.replay_dead_letters(DeadLetterFilter(task="shop.export"))
@@ -294,7 +283,7 @@ def test_task_globs_tell_capitals_apart(alias: str) -> None:
 
 
 def test_purge_deletes_old_dead_letters_in_chunks(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     old = kill(store, "a", "b", "c", task_name="billing.charge")
     old_other = kill(store, "d", task_name="shop.add")
     kill(store, "fresh", task_name="billing.charge")
@@ -315,7 +304,7 @@ def test_purge_deletes_old_dead_letters_in_chunks(alias: str) -> None:
 
 
 def test_delete_dead_letters(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     first, second = kill(store, "a", "b")
     target = dead_id(alias, first)
     assert store.delete_dead_letters([target, 999_999]) == [target]
@@ -325,7 +314,7 @@ def test_delete_dead_letters(alias: str) -> None:
 
 
 def test_the_retention_task_applies_the_setting(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     old = kill(store, "old")
     kill(store, "fresh")
     age_dead_letters(alias, 40, *old)
@@ -398,7 +387,7 @@ def test_the_since_option_refuses_a_compact_date_before_touching_anything() -> N
 
 
 def test_stats_json_keeps_its_keys_and_adds_the_breakdown(on_alias: str) -> None:
-    store = OutboxStore(on_alias)
+    store = Stores(on_alias).operator()
     kill(store, "x", task_name="shop.add")
     add(store, "a", "b")
     fail_once(store)
@@ -421,7 +410,7 @@ def test_stats_json_keeps_its_keys_and_adds_the_breakdown(on_alias: str) -> None
 
 
 def test_stats_text_and_prometheus(on_alias: str) -> None:
-    store = OutboxStore(on_alias)
+    store = Stores(on_alias).operator()
     kill(store, "x", task_name='odd"name')
     add(store, "a")
 
@@ -445,7 +434,7 @@ def test_stats_watch_refreshes(on_alias: str) -> None:
 
 def test_replay_command_window_without_use_tz(on_alias: str) -> None:
     # MySQL and SQLite take only naive datetimes when USE_TZ is off.
-    kill(OutboxStore(on_alias), "a")
+    kill(Stores(on_alias).operator(), "a")
     with override_settings(USE_TZ=False):
         out = outbox("replay", "--since", "1h", "--until", "2999-01-01T00:00:00")[0]
     assert "replayed 1" in out
@@ -463,7 +452,7 @@ def test_command_values_that_only_look_like_numbers_are_refused(
 
 
 def test_replay_command_dry_run_then_real(on_alias: str) -> None:
-    store = OutboxStore(on_alias)
+    store = Stores(on_alias).operator()
     kill(store, "a", "b", task_name="billing.charge")
     kill(store, "c", task_name="shop.add")
 
@@ -477,7 +466,7 @@ def test_replay_command_dry_run_then_real(on_alias: str) -> None:
 
 
 def test_replay_command_by_id_with_a_progress_bar(on_alias: str) -> None:
-    store = OutboxStore(on_alias)
+    store = Stores(on_alias).operator()
     task_ids = kill(store, "a", "b", "c", "d", "e")
     ids = [str(dead_id(on_alias, t)) for t in task_ids]
 
@@ -510,7 +499,7 @@ def test_bad_arguments_name_the_problem(args: tuple[str, ...], message: str) -> 
 
 
 def test_purge_command(on_alias: str) -> None:
-    store = OutboxStore(on_alias)
+    store = Stores(on_alias).operator()
     old = kill(store, "a", "b")
     kill(store, "fresh")
     age_dead_letters(on_alias, 10, *old)
@@ -537,7 +526,7 @@ def test_purge_command(on_alias: str) -> None:
 def test_replaying_ids_that_match_no_dead_letter_fails_after_replaying_the_rest(
     on_alias: str,
 ) -> None:
-    store = OutboxStore(on_alias)
+    store = Stores(on_alias).operator()
     [task_id] = kill(store, "a")
     real = str(dead_id(on_alias, task_id))
     with pytest.raises(CommandError) as raised:
@@ -548,7 +537,7 @@ def test_replaying_ids_that_match_no_dead_letter_fails_after_replaying_the_rest(
 
 
 def test_purge_all_deletes_every_dead_letter_whatever_its_age(on_alias: str) -> None:
-    store = OutboxStore(on_alias)
+    store = Stores(on_alias).operator()
     kill(store, "just", "died")
     assert outbox("purge", "--all", "--dry-run")[0].strip() == (
         "would delete 2 dead letter(s) of any age (dry run)"

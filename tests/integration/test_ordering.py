@@ -13,29 +13,19 @@ from django.db import connections, transaction
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
-from celery_outbox.ordering.options import HEADER, Policy
+from celery_outbox.ordering.options import Policy
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
+from celery_outbox.store.store import RelayQueries
 
-from .builders import envelope
+from .builders import keyed
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 
-def keyed(tag: str, key: str | None, flags: str = "", task: str = "shop.record") -> Any:
-    """A message of ``task`` with ``ordering_key`` and the ordering header ``flags``."""
-    built = envelope(tag, ordering_key=key, task_name=task)
-    headers = dict(built.headers)
-    if flags:
-        headers[HEADER] = flags
-    return envelope(
-        tag, task_id=built.task_id, ordering_key=key, task_name=task, headers=headers
-    )
-
-
-def write(store: OutboxStore, *envelopes: Any) -> list[str]:
+def write(store: RelayQueries, *envelopes: Any) -> list[str]:
     with transaction.atomic(using=store.alias):
-        store.insert(list(envelopes))
+        Stores(store.alias).writer().insert(list(envelopes))
     return [e.task_id for e in envelopes]
 
 
@@ -44,7 +34,7 @@ def tags(messages: tuple[StoredMessage, ...]) -> list[str]:
 
 
 def publish(
-    store: OutboxStore, messages: tuple[StoredMessage, ...], token: str
+    store: RelayQueries, messages: tuple[StoredMessage, ...], token: str
 ) -> None:
     """Settle as the relay does after every message was published."""
     settlement = ordered_settlement(
@@ -54,7 +44,7 @@ def publish(
 
 
 def test_only_the_head_of_a_key_is_claimed_while_it_is_leased(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     write(
         store, keyed("a1", "A"), keyed("u1", None), keyed("a2", "A"), keyed("b1", "B")
     )
@@ -67,7 +57,7 @@ def test_only_the_head_of_a_key_is_claimed_while_it_is_leased(alias: str) -> Non
 
 
 def test_a_claim_takes_a_run_of_a_key_in_id_order(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     write(store, *(keyed(f"a{n}", "A") for n in range(5)), keyed("b0", "B"))
     claim = store.claim(4, 30)
     # The heads first (a0, b0), then a0's followers while the batch has room.
@@ -78,28 +68,29 @@ def test_a_claim_takes_a_run_of_a_key_in_id_order(alias: str) -> None:
 
 
 def test_a_strict_head_stays_running_until_its_worker_reports(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     ids = write(store, *(keyed(f"s{n}", "S", "strict") for n in range(3)))
     claim = store.claim(10, 30)
     assert tags(claim.messages) == ["s0"]  # no run behind a strict row
     publish(store, claim.messages, claim.token)
     assert OutboxMessage.objects.using(alias).get(task_id=ids[0]).state == "running"
     assert store.claim(10, 30).messages == ()
-    assert store.task_done(ids[0]) == 1
+    assert Stores(alias).ordering().task_done(ids[0]) == 1
     assert tags(store.claim(10, 30).messages) == ["s1"]
 
 
 def test_a_worker_may_report_before_the_relay_settles(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     ids = write(store, keyed("s0", "S", "strict"), keyed("s1", "S", "strict"))
     claim = store.claim(10, 30)
-    assert store.task_done(ids[0]) == 1  # the task ran before the settlement
+    # The task ran before the settlement.
+    assert Stores(alias).ordering().task_done(ids[0]) == 1
     publish(store, claim.messages, claim.token)
     assert tags(store.claim(10, 30).messages) == ["s1"]
 
 
 def test_a_run_stops_after_a_strict_row(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     write(store, keyed("p0", "K"), keyed("p1", "K", "strict"), keyed("p2", "K"))
     assert tags(store.claim(10, 30).messages) == ["p0", "p1"]
 
@@ -107,7 +98,7 @@ def test_a_run_stops_after_a_strict_row(alias: str) -> None:
 def test_a_killed_workers_head_is_claimed_again_after_its_running_lease(
     alias: str,
 ) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     ids = write(store, keyed("s0", "S", "strict"), keyed("s1", "S", "strict"))
     claim = store.claim(10, 30)
     store.settle(
@@ -123,7 +114,7 @@ def test_a_killed_workers_head_is_claimed_again_after_its_running_lease(
 
 
 def test_coalescing_publishes_only_the_newest_row_of_each_object(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     updates = [
         keyed(f"o{n % 10}v{n // 10}", f"obj:{n % 10}", "coalesce") for n in range(200)
     ]
@@ -142,7 +133,7 @@ def test_coalescing_publishes_only_the_newest_row_of_each_object(alias: str) -> 
 
 
 def test_a_blocked_head_holds_only_its_key_until_an_operator_acts(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     write(store, keyed("a0", "A"), keyed("a1", "A"), keyed("b0", "B"), keyed("b1", "B"))
     claim = store.claim(1, 30)  # a0 alone
     failed = Settlement(
@@ -152,20 +143,21 @@ def test_a_blocked_head_holds_only_its_key_until_an_operator_acts(alias: str) ->
     others = store.claim(10, 30)
     assert tags(others.messages) == ["b0", "b1"]  # A waits, B drains
     publish(store, others.messages, others.token)
-    (head,) = store.blocked_heads()
+    ordering = Stores(alias).ordering()
+    (head,) = ordering.blocked_heads()
     assert (head.key, head.last_error, head.rows) == ("A", "refused", 2)
-    assert store.ordering_stats().blocked == (head,)
-    assert store.retry_head("A") == 1
+    assert ordering.ordering_stats().blocked == (head,)
+    assert ordering.retry_head("A") == 1
     again = store.claim(1, 30)
     assert tags(again.messages) == ["a0"]
     store.settle(again.token, ordered_settlement(failed, again.messages, 300.0))
-    assert store.skip_head("A") == 1
+    assert ordering.skip_head("A") == 1
     assert DeadLetter.objects.using(alias).filter(ordering_key="A").count() == 1
     assert tags(store.claim(10, 30).messages) == ["a1"]
 
 
 def test_a_skip_key_dead_letters_its_failed_head_and_moves_on(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     write(store, keyed("a0", "A", "skip"), keyed("a1", "A", "skip"))
     claim = store.claim(1, 30)
     failed = Settlement(
@@ -180,29 +172,30 @@ def test_a_skip_key_dead_letters_its_failed_head_and_moves_on(alias: str) -> Non
 def test_a_strict_task_that_failed_for_good_follows_its_policy(
     alias: str, policy: Policy
 ) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     flags = "strict" if policy is Policy.BLOCK else "strict,skip"
     ids = write(store, keyed("s0", "S", flags), keyed("s1", "S", flags))
     claim = store.claim(10, 30)
     publish(store, claim.messages, claim.token)
-    assert store.task_failed(ids[0], "ValueError: boom", policy) == 1
+    ordering = Stores(alias).ordering()
+    assert ordering.task_failed(ids[0], "ValueError: boom", policy) == 1
     if policy is Policy.BLOCK:
         assert store.claim(10, 30).messages == ()
-        assert store.blocked_heads()[0].last_error == "ValueError: boom"
+        assert ordering.blocked_heads()[0].last_error == "ValueError: boom"
     else:
         assert DeadLetter.objects.using(alias).get().last_error == "ValueError: boom"
         assert tags(store.claim(10, 30).messages) == ["s1"]
 
 
 def test_stats_count_keys_rows_and_the_deepest_keys(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     write(
         store,
         *(keyed(f"h{n}", "hot") for n in range(5)),
         keyed("c0", "cold"),
         keyed("u", None),
     )
-    stats = store.ordering_stats(top=1)
+    stats = Stores(alias).ordering().ordering_stats(top=1)
     assert (stats.keys, stats.keyed_rows, stats.running) == (2, 6, 0)
     assert [(d.key, d.rows) for d in stats.deepest] == [("hot", 5)]
     assert stats.oldest_head_seconds is not None
@@ -210,7 +203,7 @@ def test_stats_count_keys_rows_and_the_deepest_keys(alias: str) -> None:
 
 def test_a_claim_in_progress_keeps_its_key_from_every_other_claim(alias: str) -> None:
     """The head is claimed in a transaction not yet committed; another claim runs."""
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     if not store.dialect.concurrent_claims:
         pytest.skip("SQLite runs one relay")
     write(store, keyed("a0", "A"), keyed("a1", "A"), keyed("b0", "B"))
@@ -218,7 +211,7 @@ def test_a_claim_in_progress_keeps_its_key_from_every_other_claim(alias: str) ->
 
     def other() -> None:
         try:
-            seen.append(tags(OutboxStore(alias).claim(10, 30).messages))
+            seen.append(tags(Stores(alias).relay().claim(10, 30).messages))
         finally:
             connections[alias].close()
 
@@ -233,7 +226,7 @@ def test_a_claim_in_progress_keeps_its_key_from_every_other_claim(alias: str) ->
 
 def test_concurrent_claims_never_hold_two_rows_of_a_key(alias: str) -> None:
     """Three claimers race over 40 keys x 6 rows: per key, one in flight, id order."""
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     if not store.dialect.concurrent_claims:
         pytest.skip("SQLite runs one relay")
     write(store, *(keyed(f"k{n % 40}r{n // 40}", f"k{n % 40}") for n in range(240)))
@@ -243,7 +236,7 @@ def test_concurrent_claims_never_hold_two_rows_of_a_key(alias: str) -> None:
     problems: list[str] = []
 
     def claimer() -> None:
-        mine = OutboxStore(alias)
+        mine = Stores(alias).relay()
         try:
             for _ in range(400):
                 claim = mine.claim(7, 30)
@@ -284,7 +277,7 @@ def test_the_command_lists_and_skips_a_blocked_head(alias: str, settings: Any) -
     from django.core.management import call_command
 
     settings.CELERY_OUTBOX_DATABASE = alias
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     write(store, keyed("a0", "A"), keyed("a1", "A"))
     claim = store.claim(1, 30)
     failed = Settlement(

@@ -22,11 +22,11 @@ from django.utils import formats, timezone
 from celery_outbox.admin import OutboxMessageAdmin
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
-from celery_outbox.ordering.options import HEADER
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
+from celery_outbox.store.ordering import OrderingQueries
 
-from .builders import envelope
+from .builders import keyed
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
@@ -34,42 +34,36 @@ OUTBOX = "/admin/celery_outbox/outboxmessage/"
 
 
 @pytest.fixture
-def store(alias: str, settings: Any) -> OutboxStore:
+def store(alias: str, settings: Any) -> OrderingQueries:
     """The store on ``alias``, which the admin and the command use as the outbox."""
     settings.CELERY_OUTBOX_DATABASE = alias
-    return OutboxStore(alias)
+    return Stores(alias).ordering()
 
 
-def keyed(tag: str, key: str, flags: str = "") -> Any:
-    built = envelope(tag, ordering_key=key)
-    headers = dict(built.headers)
-    if flags:
-        headers[HEADER] = flags
-    return envelope(tag, task_id=built.task_id, ordering_key=key, headers=headers)
-
-
-def write(store: OutboxStore, *envelopes: Any) -> dict[str, int]:
+def write(store: OrderingQueries, *envelopes: Any) -> dict[str, int]:
     """Insert; the row id of each tag."""
     with transaction.atomic(using=store.alias):
-        store.insert(list(envelopes))
+        Stores(store.alias).writer().insert(list(envelopes))
     rows = OutboxMessage.objects.using(store.alias).values_list("task_id", "id")
     return {task_id.rsplit("-", 1)[0]: row_id for task_id, row_id in rows}
 
 
-def block_heads(store: OutboxStore, count: int, error: str) -> None:
+def block_heads(store: OrderingQueries, count: int, error: str) -> None:
     """Claim ``count`` heads and fail them for good, as the relay does: they block."""
-    claim = store.claim(count, 30)
+    claim = Stores(store.alias).relay().claim(count, 30)
     assert len(claim.messages) == count
     failed = Settlement(
         dead_letter=tuple(
             Decision(m.id, Action.DEAD_LETTER, 0.0, error) for m in claim.messages
         )
     )
-    store.settle(claim.token, ordered_settlement(failed, claim.messages, 300.0))
+    Stores(store.alias).relay().settle(
+        claim.token, ordered_settlement(failed, claim.messages, 300.0)
+    )
 
 
-def claimed_tags(store: OutboxStore) -> list[str]:
-    claim = store.claim(10, 30)
+def claimed_tags(store: OrderingQueries) -> list[str]:
+    claim = Stores(store.alias).relay().claim(10, 30)
     return [m.envelope.task_id.rsplit("-", 1)[0] for m in claim.messages]
 
 
@@ -82,7 +76,7 @@ def act(client: Client, action: str, *rows: int) -> str:
 
 
 def test_the_admin_lists_blocked_keys_with_task_error_and_since(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OrderingQueries
 ) -> None:
     write(store, keyed("a0", "org:1"), keyed("a1", "org:1"), keyed("b0", "org:2"))
     before = timezone.now()
@@ -109,7 +103,7 @@ def test_the_admin_lists_blocked_keys_with_task_error_and_since(
 
 
 def test_retry_makes_the_blocked_head_due_with_fresh_attempts(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OrderingQueries
 ) -> None:
     ids = write(store, keyed("a0", "A"), keyed("a1", "A"))
     block_heads(store, 1, "refused")
@@ -129,7 +123,7 @@ def test_retry_makes_the_blocked_head_due_with_fresh_attempts(
 
 
 def test_skip_deletes_the_head_and_the_key_goes_on(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OrderingQueries
 ) -> None:
     ids = write(store, keyed("a0", "A"), keyed("a1", "A"))
     block_heads(store, 1, "refused")
@@ -143,7 +137,7 @@ def test_skip_deletes_the_head_and_the_key_goes_on(
 
 
 def test_dead_letter_moves_the_head_with_its_error_and_the_key_goes_on(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OrderingQueries
 ) -> None:
     ids = write(store, keyed("a0", "A"), keyed("a1", "A"), keyed("b0", "B"))
     block_heads(store, 2, "NotFound: no queue")  # a0 and b0 block their keys
@@ -163,7 +157,7 @@ def test_dead_letter_moves_the_head_with_its_error_and_the_key_goes_on(
 
 
 def test_a_head_no_longer_blocked_is_left_alone(
-    admin_client: Client, store: OutboxStore
+    admin_client: Client, store: OrderingQueries
 ) -> None:
     ids = write(store, keyed("a0", "A"))
     block_heads(store, 1, "refused")
@@ -176,7 +170,7 @@ def test_a_head_no_longer_blocked_is_left_alone(
     assert not DeadLetter.objects.using(store.alias).exists()
 
 
-def test_only_operators_get_the_actions(store: OutboxStore) -> None:
+def test_only_operators_get_the_actions(store: OrderingQueries) -> None:
     ids = write(store, keyed("a0", "A"))
     block_heads(store, 1, "refused")
     viewer = User.objects.create_user("viewer", password="x", is_staff=True)
@@ -191,7 +185,7 @@ def test_only_operators_get_the_actions(store: OutboxStore) -> None:
     assert OutboxMessage.objects.using(store.alias).get().state == "blocked"
 
 
-def test_the_command_dead_letters_a_blocked_head(store: OutboxStore) -> None:
+def test_the_command_dead_letters_a_blocked_head(store: OrderingQueries) -> None:
     write(store, keyed("a0", "A"), keyed("a1", "A"))
     block_heads(store, 1, "refused")
     out = StringIO()

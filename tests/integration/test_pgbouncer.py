@@ -26,7 +26,7 @@ from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.events import StopReason
 from celery_outbox.relay.listener import PgNotifyListener
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from .builders import envelope
 
@@ -127,11 +127,11 @@ def test_the_listener_notices_the_pooler_and_the_relay_polls(
 
     # The relay still delivers, through PgBouncer, without the hint.
     with transaction.atomic():
-        OutboxStore("default").insert([envelope("pooled")])
+        Stores("default").writer().insert([envelope("pooled")])
     publisher = InMemoryPublisher()
     config = RelayConfig.from_settings(OutboxSettings(), until_empty=True)
     relay = Relay(
-        OutboxStore(bouncer_alias), publisher, config, listeners=(), wakeup=listener
+        Stores(bouncer_alias).relay(), publisher, config, listeners=(), wakeup=listener
     )
     assert relay.run() is StopReason.EMPTY
     assert [e.task_id.split("-")[0] for e in publisher.published] == ["pooled"]

@@ -23,7 +23,7 @@ from celery_outbox.envelope import Envelope
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from ..conftest import BROKER_AMQP
 from .builders import envelope
@@ -71,7 +71,7 @@ def write_rows(queue: str) -> tuple[list[str], str]:
     )
     goods_after = [good(f"after-{i}") for i in range(AFTER)]
     with transaction.atomic(using=ALIAS):
-        OutboxStore(ALIAS).insert([*goods, poison, *goods_after])
+        Stores(ALIAS).writer().insert([*goods, poison, *goods_after])
     return [e.task_id for e in [*goods, *goods_after]], poison.task_id
 
 
@@ -96,7 +96,7 @@ def run_relay(confirm: bool) -> None:
         confirm=confirm,
     )
     config = RelayConfig.from_settings(SETTINGS, breaker_threshold=1000)
-    relay = Relay(OutboxStore(ALIAS), publisher, config, listeners=())
+    relay = Relay(Stores(ALIAS).relay(), publisher, config, listeners=())
     try:
         for _ in range(CYCLES):
             relay.run_once()

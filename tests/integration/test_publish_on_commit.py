@@ -20,7 +20,7 @@ from celery_outbox.conf import OutboxSettings
 from celery_outbox.models import OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 from tests.project.shop.tasks import record
 
 from ..conftest import BROKER_AMQP
@@ -117,7 +117,7 @@ def relay_sends() -> list[str]:
     """The task ids a relay finds to publish, running until the outbox is empty."""
     publisher = InMemoryPublisher()
     config = RelayConfig.from_settings(OutboxSettings(), until_empty=True)
-    Relay(OutboxStore("default"), publisher, config, listeners=()).run()
+    Relay(Stores("default").relay(), publisher, config, listeners=()).run()
     return [e.task_id for e in publisher.published]
 
 

@@ -23,12 +23,12 @@ from celery_outbox import OutboxCelery
 from celery_outbox import app as outbox_app_module
 from celery_outbox.broker import build_publisher
 from celery_outbox.conf import get_settings
-from celery_outbox.enqueue import outbox_alias
 from celery_outbox.exceptions import OutboxValueError
 from celery_outbox.models import OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import outbox_stores
+from celery_outbox.store.operator import OperatorQueries
 
 from ..conftest import BROKER_AMQP, BROKER_REDIS
 from .test_fidelity import delete_broker_names, receive
@@ -118,18 +118,19 @@ def apps() -> Iterator[
     gc.collect()
 
 
-def relay_all(relay_app: OutboxCelery, *, once: bool = False) -> OutboxStore:
+def relay_all(relay_app: OutboxCelery, *, once: bool = False) -> OperatorQueries:
+    """Relay what is due with a real relay; the operator's queries on the outbox."""
     settings = get_settings()
-    store = OutboxStore(outbox_alias(settings))
+    stores = outbox_stores(settings)
     publisher = build_publisher(relay_app, settings)
     relay = Relay(
-        store, publisher, RelayConfig.from_settings(settings, until_empty=True)
+        stores.relay(), publisher, RelayConfig.from_settings(settings, until_empty=True)
     )
     try:
         relay.run_once() if once else relay.run()
     finally:
         publisher.close()
-    return store
+    return stores.operator()
 
 
 @pytest.mark.parametrize("broker", ["amqp", "redis"])
@@ -185,4 +186,4 @@ def test_a_queue_argument_json_cannot_hold_is_refused_at_the_call(apps: Any) -> 
     queue = Queue(names.queue, queue_arguments={"x-odd": {1, 2}})
     with transaction.atomic(), pytest.raises(OutboxValueError, match=names.queue):
         caller.tasks["decl.work"].apply_async((1,), queue=queue)
-    assert OutboxStore(outbox_alias(get_settings())).stats().pending == 0
+    assert outbox_stores().operator().stats().pending == 0

@@ -21,7 +21,8 @@ from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.events import Idle, RelayEvent, StopReason
 from celery_outbox.relay.loop import Cycle, Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
+from celery_outbox.store.store import RelayQueries
 from celery_outbox.store.types import SettleReport
 
 from ..conftest import BROKER_AMQP
@@ -40,12 +41,12 @@ FAST = OutboxSettings(
 
 def relay_for(alias: str, publisher: InMemoryPublisher, **overrides: object) -> Relay:
     config = RelayConfig.from_settings(FAST, **overrides)
-    return Relay(OutboxStore(alias), publisher, config, listeners=())
+    return Relay(Stores(alias).relay(), publisher, config, listeners=())
 
 
 def enqueue(alias: str, *tags: str) -> None:
     with transaction.atomic(using=alias):
-        OutboxStore(alias).insert([envelope(tag) for tag in tags])
+        Stores(alias).writer().insert([envelope(tag) for tag in tags])
 
 
 def test_until_empty_publishes_everything_and_returns(alias: str) -> None:
@@ -97,7 +98,7 @@ def test_a_header_rabbitmq_cannot_carry_is_dead_lettered_and_stops_nothing(
     # hold up the rows around it.
     queue = f"outbox-relay-{uuid.uuid4().hex[:8]}"
     with transaction.atomic(using=alias):
-        OutboxStore(alias).insert(
+        Stores(alias).writer().insert(
             [
                 envelope(tag, routing_key=queue, declare=(queue,), queue=queue)
                 for tag in ("good-1", "good-2")
@@ -156,7 +157,7 @@ def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
         raise RuntimeError("metrics are down")
 
     relay = Relay(
-        OutboxStore(alias),
+        Stores(alias).relay(),
         InMemoryPublisher(),
         RelayConfig.from_settings(FAST),
         listeners=[broken],
@@ -167,7 +168,7 @@ def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
 
 
 @pytest.mark.parametrize("alias", ["default"])
-class SettleFailsOnceAndStops(OutboxStore):
+class SettleFailsOnceAndStops(RelayQueries):
     """A store whose first settlement fails as the relay is asked to stop."""
 
     relay: Relay | None = None
@@ -232,7 +233,7 @@ def test_stop_mid_batch_hands_back_unsent_rows_at_once(alias: str) -> None:
 
 def test_a_slow_batch_keeps_its_lease(alias: str) -> None:
     enqueue(alias, "slow-1", "slow-2")
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     stolen: list[int] = []
 
     def slow(message: StoredMessage) -> PublishResult | None:

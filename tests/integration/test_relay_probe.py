@@ -19,7 +19,7 @@ from celery_outbox.exceptions import OutboxConfigurationError
 from celery_outbox.models import OutboxMessage
 from celery_outbox.relay.loop import Cycle
 from celery_outbox.relay.runner import build_relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from .builders import envelope
 
@@ -72,7 +72,7 @@ def test_a_broker_down_at_start_is_a_warning_and_the_relay_runs_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with transaction.atomic():
-        OutboxStore("default").insert([envelope("waits")])
+        Stores("default").writer().insert([envelope("waits")])
     with caplog.at_level(logging.INFO, logger="celery_outbox.relay"):
         relay = build_relay(get_settings(), send_timeout=2.0)
         assert relay.run_once() is Cycle.PARTIAL  # claimed, then put back: an outage
@@ -131,7 +131,7 @@ def test_a_message_rabbitmq_refuses_is_logged_with_its_reason_then_dead_lettered
     exchange = f"missing-{uuid.uuid4().hex[:10]}"
     refused = envelope("refused", exchange=exchange, declare=())
     with transaction.atomic():
-        OutboxStore("default").insert([refused])
+        Stores("default").writer().insert([refused])
     relay = build_relay(get_settings())
     with caplog.at_level(logging.WARNING, logger="celery_outbox.relay"):
         relay.run_once()

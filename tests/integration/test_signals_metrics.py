@@ -21,7 +21,7 @@ from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import record
 
@@ -64,12 +64,12 @@ def received() -> Iterator[list[tuple[str, dict[str, Any]]]]:
 def test_relay_signals_follow_each_outcome(
     received: list[tuple[str, dict[str, Any]]],
 ) -> None:
-    store = OutboxStore("default")
+    stores = Stores("default")
     with transaction.atomic():
-        store.insert([envelope("good"), envelope("bad")])
+        stores.writer().insert([envelope("good"), envelope("bad")])
     OutboxMessage.objects.filter(task_id__startswith="bad").update(attempts=0)
     relay = Relay(
-        store,
+        stores.relay(),
         InMemoryPublisher(refuse("bad")),
         RelayConfig.from_settings(SETTINGS),
         listeners=[signals.send_relay_signals],
@@ -96,9 +96,9 @@ def test_a_receiver_with_a_database_error_cannot_undo_the_settlement() -> None:
     signals.message_published.connect(broken)
     try:
         with transaction.atomic():
-            OutboxStore("default").insert([envelope("a"), envelope("b")])
+            Stores("default").writer().insert([envelope("a"), envelope("b")])
         relay = Relay(
-            OutboxStore("default"),
+            Stores("default").relay(),
             InMemoryPublisher(),
             RelayConfig.from_settings(SETTINGS),
             listeners=[signals.send_relay_signals],
@@ -132,9 +132,11 @@ def test_a_failing_created_receiver_leaves_the_callers_transaction_intact() -> N
 
 def run_batch_with(listener: RelayMetrics) -> None:
     with transaction.atomic():
-        OutboxStore("default").insert([envelope("m1"), envelope("m2"), envelope("bad")])
+        Stores("default").writer().insert(
+            [envelope("m1"), envelope("m2"), envelope("bad")]
+        )
     Relay(
-        OutboxStore("default"),
+        Stores("default").relay(),
         InMemoryPublisher(refuse("bad")),
         RelayConfig.from_settings(SETTINGS),
         listeners=[listener],
@@ -143,7 +145,7 @@ def run_batch_with(listener: RelayMetrics) -> None:
 
 def test_prometheus_metrics() -> None:
     registry = prometheus_client.CollectorRegistry()
-    run_batch_with(RelayMetrics(PrometheusSink(registry), OutboxStore("default")))
+    run_batch_with(RelayMetrics(PrometheusSink(registry), Stores("default").operator()))
     value = registry.get_sample_value
     assert value("celery_outbox_published_total") == 2
     assert value("celery_outbox_failed_total") == 1
@@ -161,7 +163,7 @@ def test_statsd_metrics_over_udp() -> None:
     try:
         port = server.getsockname()[1]
         sink = StatsdSink(f"127.0.0.1:{port}")
-        run_batch_with(RelayMetrics(sink, OutboxStore("default")))
+        run_batch_with(RelayMetrics(sink, Stores("default").operator()))
         sink.close()
         lines = set()
         while True:
@@ -182,13 +184,13 @@ def test_dead_letter_count_is_exposed() -> None:
     registry = prometheus_client.CollectorRegistry()
     sink = PrometheusSink(registry)
     with transaction.atomic():
-        OutboxStore("default").insert([envelope("bad")])
+        Stores("default").writer().insert([envelope("bad")])
     OutboxMessage.objects.update(attempts=1)
     Relay(
-        OutboxStore("default"),
+        Stores("default").relay(),
         InMemoryPublisher(refuse("bad")),
         RelayConfig.from_settings(SETTINGS),
-        listeners=[RelayMetrics(sink, OutboxStore("default"))],
+        listeners=[RelayMetrics(sink, Stores("default").operator())],
     ).run_once()
     assert registry.get_sample_value("celery_outbox_dead_lettered_total") == 1
     assert registry.get_sample_value("celery_outbox_dead") == 1
@@ -200,12 +202,12 @@ def test_an_idle_relay_keeps_the_backlog_gauges_fresh() -> None:
 
     registry = prometheus_client.CollectorRegistry()
     metrics = RelayMetrics(
-        PrometheusSink(registry), OutboxStore("default"), sample_every=0.0
+        PrometheusSink(registry), Stores("default").operator(), sample_every=0.0
     )
     metrics(Idle(1.0))
     assert registry.get_sample_value("celery_outbox_pending") == 0
     with transaction.atomic():
-        OutboxStore("default").insert([envelope("w1"), envelope("w2")])
+        Stores("default").writer().insert([envelope("w1"), envelope("w2")])
     metrics(Idle(1.0))
     assert registry.get_sample_value("celery_outbox_pending") == 2
 
@@ -214,7 +216,7 @@ def test_the_breaker_gauge_falls_once_the_broker_answers_again() -> None:
     registry = prometheus_client.CollectorRegistry()
     publisher = InMemoryPublisher(refuse("bad"))
     relay = Relay(
-        OutboxStore("default"),
+        Stores("default").relay(),
         publisher,
         RelayConfig.from_settings(
             OutboxSettings(
@@ -228,7 +230,7 @@ def test_the_breaker_gauge_falls_once_the_broker_answers_again() -> None:
         listeners=[RelayMetrics(PrometheusSink(registry))],
     )
     with transaction.atomic():
-        OutboxStore("default").insert([envelope("bad")])
+        Stores("default").writer().insert([envelope("bad")])
     publisher.down = True
     relay.run_once()
     assert registry.get_sample_value("celery_outbox_breaker_open") == 1

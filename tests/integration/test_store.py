@@ -11,51 +11,52 @@ from django.db import connections, transaction
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
+from celery_outbox.store.base import StoreBase
 
 from .builders import envelope
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 
-def committed(store: OutboxStore, *tags: str) -> list[str]:
+def committed(store: StoreBase, *tags: str) -> list[str]:
     envelopes = [envelope(tag) for tag in tags]
     with transaction.atomic(using=store.alias):
-        store.insert(envelopes)
+        Stores(store.alias).writer().insert(envelopes)
     return [e.task_id for e in envelopes]
 
 
 def test_a_rolled_back_insert_leaves_nothing(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     with pytest.raises(RuntimeError), transaction.atomic(using=alias):
-        store.insert([envelope("lost")])
+        Stores(alias).writer().insert([envelope("lost")])
         raise RuntimeError("rollback")
     assert store.claim(10, 30).messages == ()
-    assert store.stats().pending == 0
+    assert Stores(alias).operator().stats().pending == 0
 
 
 def test_a_bulk_insert_past_the_drivers_parameter_limits_writes_every_row(
     alias: str,
 ) -> None:
     """3,000 rows x 15 values: more than one statement may carry on SQLite."""
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     sent = [
         envelope(f"bulk-{n}", headers={"id": f"bulk-{n}", "n": n}) for n in range(3000)
     ]
     with transaction.atomic(using=alias):
-        store.insert(sent)
+        Stores(alias).writer().insert(sent)
     claimed = store.claim(5000, 30).messages
     assert [m.envelope.task_id for m in claimed] == [e.task_id for e in sent]
     assert claimed[-1].envelope == sent[-1]
 
 
 def test_claim_returns_the_whole_message_oldest_first(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     sent = envelope(
         "a", headers={"id": "x", "eta": datetime(2030, 1, 2, tzinfo=timezone.utc)}
     )
     with transaction.atomic(using=alias):
-        store.insert([sent, envelope("b"), envelope("c")])
+        Stores(alias).writer().insert([sent, envelope("b"), envelope("c")])
     claim = store.claim(2, 30)
     assert [m.envelope.task_id for m in claim.messages] == [
         sent.task_id,
@@ -68,12 +69,12 @@ def test_claim_returns_the_whole_message_oldest_first(alias: str) -> None:
 
 
 def test_a_lease_keeps_other_relays_away_until_it_ends(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     ids = committed(store, "a", "b")
     first = store.claim(10, 0.5)
     assert sorted(m.envelope.task_id for m in first.messages) == sorted(ids)
     assert store.claim(10, 30).messages == ()
-    stats = store.stats()
+    stats = Stores(alias).operator().stats()
     assert (stats.pending, stats.due, stats.in_flight) == (2, 0, 2)
     time.sleep(0.7)
     second = store.claim(10, 30)
@@ -81,18 +82,18 @@ def test_a_lease_keeps_other_relays_away_until_it_ends(alias: str) -> None:
     # The first relay lost its lease: everything it writes now is fenced off.
     stale = Settlement(delete=tuple(m.id for m in first.messages))
     assert store.settle(first.token, stale).deleted == 0
-    assert store.stats().pending == 2
+    assert Stores(alias).operator().stats().pending == 2
     assert (
         store.settle(
             second.token, Settlement(delete=tuple(m.id for m in second.messages))
         ).deleted
         == 2
     )
-    assert store.stats().pending == 0
+    assert Stores(alias).operator().stats().pending == 0
 
 
 def test_retry_counts_the_attempt_and_waits(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     committed(store, "a")
     claim = store.claim(10, 30)
     row = claim.messages[0]
@@ -114,7 +115,7 @@ def test_retry_counts_the_attempt_and_waits(alias: str) -> None:
 
 
 def test_release_keeps_the_attempts(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     committed(store, "a")
     claim = store.claim(10, 30)
     row = claim.messages[0]
@@ -127,7 +128,7 @@ def test_release_keeps_the_attempts(alias: str) -> None:
 
 
 def test_dead_letter_keeps_the_whole_message_and_the_reason(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     committed(store, "poison")
     claim = store.claim(10, 30)
     row = claim.messages[0]
@@ -142,8 +143,8 @@ def test_dead_letter_keeps_the_whole_message_and_the_reason(alias: str) -> None:
         ),
     )
     assert report.dead_lettered == 1
-    assert store.stats().pending == 0
-    assert store.stats().dead == 1
+    assert Stores(alias).operator().stats().pending == 0
+    assert Stores(alias).operator().stats().dead == 1
     dead = DeadLetter.objects.using(alias).get()
     assert dead.original_id == row.id
     assert dead.task_id == row.envelope.task_id
@@ -153,7 +154,7 @@ def test_dead_letter_keeps_the_whole_message_and_the_reason(alias: str) -> None:
 
 
 def test_a_lost_lease_cannot_dead_letter(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     committed(store, "a")
     claim = store.claim(10, 30)
     decision = Decision(claim.messages[0].id, Action.DEAD_LETTER, 0.0, "x")
@@ -161,12 +162,12 @@ def test_a_lost_lease_cannot_dead_letter(alias: str) -> None:
         store.settle("not-the-token", Settlement(dead_letter=(decision,))).dead_lettered
         == 0
     )
-    assert store.stats().dead == 0
-    assert store.stats().pending == 1
+    assert Stores(alias).operator().stats().dead == 0
+    assert Stores(alias).operator().stats().pending == 1
 
 
 def test_renew_extends_only_our_lease(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     committed(store, "a")
     claim = store.claim(10, 0.3)
     ids = [m.id for m in claim.messages]
@@ -177,7 +178,7 @@ def test_renew_extends_only_our_lease(alias: str) -> None:
 
 
 def test_stats_report_backlog_and_age(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).operator()
     assert store.stats().as_dict() == {
         "pending": 0,
         "due": 0,
@@ -194,7 +195,7 @@ def test_stats_report_backlog_and_age(alias: str) -> None:
 
 
 def test_rows_of_a_newer_payload_version_are_refused_loudly(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     committed(store, "future")
     OutboxMessage.objects.using(alias).update(payload_version=99)
     claim = store.claim(10, 30)
@@ -205,9 +206,9 @@ def test_rows_of_a_newer_payload_version_are_refused_loudly(alias: str) -> None:
 
 @pytest.mark.parametrize("alias", ["default", "mysql"])
 def test_concurrent_claims_never_share_a_row(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     with transaction.atomic(using=alias):
-        store.insert([envelope(f"r{i}") for i in range(400)])
+        Stores(alias).writer().insert([envelope(f"r{i}") for i in range(400)])
     seen: list[list[int]] = [[], [], [], []]
     errors: list[BaseException] = []
 
@@ -237,7 +238,7 @@ def test_concurrent_claims_never_share_a_row(alias: str) -> None:
 def test_each_outcome_kind_is_one_statement_with_per_row_values(alias: str) -> None:
     from django.test.utils import CaptureQueriesContext
 
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     committed(store, *[f"m{i}" for i in range(6)])
     claim = store.claim(10, 30)
     ids = [m.id for m in claim.messages]

@@ -12,7 +12,7 @@ from django.utils import timezone
 from celery_outbox.models import OutboxMessage, RelayHeartbeat
 from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.relay.heartbeat import Heartbeat
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 
 from .builders import envelope
 
@@ -22,9 +22,9 @@ LEASE = 60.0
 STALE = 6.0
 
 
-def committed(store: OutboxStore, count: int) -> None:
+def committed(store: Stores, count: int) -> None:
     with transaction.atomic(using=store.alias):
-        store.insert([envelope(f"t{n}") for n in range(count)])
+        store.writer().insert([envelope(f"t{n}") for n in range(count)])
 
 
 def silent_for(alias: str, relay_id: str, seconds: float) -> None:
@@ -39,17 +39,17 @@ def relays(alias: str) -> set[str]:
 
 
 def test_a_dead_relays_rows_are_claimable_at_once(alias: str) -> None:
-    dead, live = OutboxStore(alias, holder="dead"), OutboxStore(alias, holder="live")
+    dead, live = Stores(alias, holder="dead"), Stores(alias, holder="live")
     committed(dead, 5)
-    dead.beat("dead", "host:1")
-    claim = dead.claim(10, LEASE)
+    dead.registry().beat("dead", "host:1")
+    claim = dead.relay().claim(10, LEASE)
     assert len(claim.messages) == 5
-    live.beat("live", "host:2")
-    assert live.claim(10, LEASE).messages == ()
+    live.registry().beat("live", "host:2")
+    assert live.relay().claim(10, LEASE).messages == ()
     silent_for(alias, "dead", 2 * STALE)
 
-    assert live.take_over(STALE) == 5
-    taken = live.claim(10, LEASE)
+    assert live.registry().take_over(STALE) == 5
+    taken = live.relay().claim(10, LEASE)
     assert sorted(m.id for m in taken.messages) == sorted(m.id for m in claim.messages)
     assert relays(alias) == {"live"}
     assert set(OutboxMessage.objects.using(alias).values_list("holder", flat=True)) == {
@@ -58,16 +58,16 @@ def test_a_dead_relays_rows_are_claimable_at_once(alias: str) -> None:
 
 
 def test_the_dead_relays_late_settlement_changes_nothing(alias: str) -> None:
-    dead, live = OutboxStore(alias, holder="dead"), OutboxStore(alias, holder="live")
+    dead, live = Stores(alias, holder="dead"), Stores(alias, holder="live")
     committed(dead, 3)
-    dead.beat("dead", "host:1")
-    claim = dead.claim(10, LEASE)
+    dead.registry().beat("dead", "host:1")
+    claim = dead.relay().claim(10, LEASE)
     silent_for(alias, "dead", 2 * STALE)
-    live.take_over(STALE)
-    taken = live.claim(10, LEASE)
+    live.registry().take_over(STALE)
+    taken = live.relay().claim(10, LEASE)
     ids = [m.id for m in claim.messages]
 
-    report = dead.settle(
+    report = dead.relay().settle(
         claim.token,
         Settlement(
             delete=ids[:1],
@@ -82,58 +82,58 @@ def test_the_dead_relays_late_settlement_changes_nothing(alias: str) -> None:
 
 
 def test_a_fresh_heartbeat_keeps_the_rows(alias: str) -> None:
-    slow, other = OutboxStore(alias, holder="slow"), OutboxStore(alias, holder="other")
+    slow, other = Stores(alias, holder="slow"), Stores(alias, holder="other")
     committed(slow, 4)
-    slow.beat("slow", "host:1")
-    slow.claim(10, LEASE)
+    slow.registry().beat("slow", "host:1")
+    slow.relay().claim(10, LEASE)
     silent_for(alias, "slow", STALE / 3)
-    other.beat("other", "host:2")
+    other.registry().beat("other", "host:2")
 
-    assert other.take_over(STALE) == 0
-    assert other.claim(10, LEASE).messages == ()
+    assert other.registry().take_over(STALE) == 0
+    assert other.relay().claim(10, LEASE).messages == ()
     assert relays(alias) == {"slow", "other"}
 
 
 def test_a_retry_delay_and_rows_without_a_holder_are_left_alone(alias: str) -> None:
-    dead, live = OutboxStore(alias, holder="dead"), OutboxStore(alias, holder="live")
+    dead, live = Stores(alias, holder="dead"), Stores(alias, holder="live")
     committed(dead, 2)
-    dead.beat("dead", "host:1")
-    retried = dead.claim(1, LEASE)
-    dead.settle(
+    dead.registry().beat("dead", "host:1")
+    retried = dead.relay().claim(1, LEASE)
+    dead.relay().settle(
         retried.token,
         Settlement(retry=(Decision(retried.messages[0].id, Action.RETRY, 300.0, "x"),)),
     )
     # Publish-on-commit (and rows leased by an older version) claim with no holder.
-    assert len(OutboxStore(alias).claim(10, LEASE).messages) == 1
+    assert len(Stores(alias).relay().claim(10, LEASE).messages) == 1
     silent_for(alias, "dead", 2 * STALE)
 
-    assert live.take_over(STALE) == 0
-    assert live.claim(10, LEASE).messages == ()
+    assert live.registry().take_over(STALE) == 0
+    assert live.relay().claim(10, LEASE).messages == ()
 
 
 def test_a_relay_taken_for_dead_comes_back_with_its_next_beat(alias: str) -> None:
-    back, live = OutboxStore(alias, holder="back"), OutboxStore(alias, holder="live")
-    back.beat("back", "host:1")
+    back, live = Stores(alias, holder="back"), Stores(alias, holder="live")
+    back.registry().beat("back", "host:1")
     silent_for(alias, "back", 2 * STALE)
-    live.take_over(STALE)
+    live.registry().take_over(STALE)
     assert relays(alias) == set()
-    back.beat("back", "host:1")
+    back.registry().beat("back", "host:1")
     assert relays(alias) == {"back"}
-    back.leave("back")
+    back.registry().leave("back")
     assert relays(alias) == set()
 
 
 def test_the_heartbeat_thread_keeps_a_slow_relay_alive(alias: str) -> None:
     """The loop is busy (here: doing nothing at all); the thread beats for it."""
-    store, other = OutboxStore(alias, holder="busy"), OutboxStore(alias, holder="x")
+    store, other = Stores(alias, holder="busy"), Stores(alias, holder="x")
     committed(store, 3)
     woken: list[bool] = []
-    heartbeat = Heartbeat(store, 0.2, on_takeover=lambda: woken.append(True))
+    heartbeat = Heartbeat(store.registry(), 0.2, on_takeover=lambda: woken.append(True))
     heartbeat.start()
     try:
-        store.claim(10, LEASE)
+        store.relay().claim(10, LEASE)
         time.sleep(1.5)  # over twice the 0.6 s it may stay silent
-        assert other.take_over(heartbeat.stale_seconds) == 0
+        assert other.registry().take_over(heartbeat.stale_seconds) == 0
         assert relays(alias) == {"busy"}
     finally:
         heartbeat.stop()
@@ -143,14 +143,16 @@ def test_the_heartbeat_thread_keeps_a_slow_relay_alive(alias: str) -> None:
 
 
 def test_the_heartbeat_takes_over_and_wakes_the_loop(alias: str) -> None:
-    dead, live = OutboxStore(alias, holder="dead"), OutboxStore(alias, holder="live")
+    dead, live = Stores(alias, holder="dead"), Stores(alias, holder="live")
     committed(dead, 2)
-    dead.beat("dead", "host:1")
-    dead.claim(10, LEASE)
+    dead.registry().beat("dead", "host:1")
+    dead.relay().claim(10, LEASE)
     silent_for(alias, "dead", 2 * STALE)
     woken: list[bool] = []
-    heartbeat = Heartbeat(live, STALE / 3, on_takeover=lambda: woken.append(True))
+    heartbeat = Heartbeat(
+        live.registry(), STALE / 3, on_takeover=lambda: woken.append(True)
+    )
 
     assert heartbeat.beat() == 2
     assert woken == [True]
-    assert len(live.claim(10, LEASE).messages) == 2
+    assert len(live.relay().claim(10, LEASE).messages) == 2

@@ -61,7 +61,8 @@ from celery_outbox.outcomes import (
 from celery_outbox.relay.logs import FailureLog
 from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.runner import build_relay
-from celery_outbox.store import Claim, DeadLetterFilter, OutboxStore
+from celery_outbox.store import Claim, DeadLetterFilter, Stores
+from celery_outbox.store.store import RelayQueries
 from tests.project.shop.tasks import record
 
 from .builders import envelope
@@ -233,7 +234,7 @@ def test_sentry_wraps_each_relay_batch_in_a_transaction() -> None:
     assert batch["contexts"]["trace"]["status"] == "ok"
 
 
-class FailingClaimStore(OutboxStore):
+class FailingClaimStore(RelayQueries):
     def claim(self, limit: int, lease_seconds: float, *, task_ids: Any = ()) -> Claim:
         raise OutboxDatabaseError("outbox database 'default': OperationalError: gone")
 
@@ -510,9 +511,9 @@ def test_relay_logs_failures_in_the_enqueue_context(settings: Any) -> None:
 
 
 def test_log_context_round_trips_on_every_database(alias: str) -> None:
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     with transaction.atomic(using=alias):
-        store.insert(
+        Stores(alias).writer().insert(
             [
                 envelope("ctx", log_context={"request_id": "req-4", "n": 1}),
                 envelope("plain"),
@@ -533,16 +534,16 @@ def test_log_context_round_trips_on_every_database(alias: str) -> None:
     )
     [dead] = DeadLetter.objects.using(alias).all()
     assert json.loads(dead.log_context or "") == {"request_id": "req-4", "n": 1}
-    store.replay_dead_letters(DeadLetterFilter(ids=(dead.id,)))
+    Stores(alias).operator().replay_dead_letters(DeadLetterFilter(ids=(dead.id,)))
     [replayed] = store.claim(10, 30.0).messages
     assert replayed.envelope.log_context == {"request_id": "req-4", "n": 1}
 
 
 def test_rows_without_a_log_context_read_as_empty(alias: str) -> None:
     """A row written by an older version (no log_context value) still relays."""
-    store = OutboxStore(alias)
+    store = Stores(alias).relay()
     with transaction.atomic(using=alias):
-        store.insert([envelope("old")])
+        Stores(alias).writer().insert([envelope("old")])
     OutboxMessage.objects.using(alias).update(log_context=None)
     [message] = store.claim(10, 30.0).messages
     assert message.envelope.log_context is EMPTY_LOG_CONTEXT

@@ -14,7 +14,7 @@ from celery_outbox.conf import OutboxSettings
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.listener import PgNotifyListener
 from celery_outbox.relay.loop import Relay
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 from celery_outbox.store.notify import CHANNEL
 from tests.project.shop.tasks import record
 
@@ -31,7 +31,7 @@ def idle_relay() -> Iterator[tuple[Relay, InMemoryPublisher]]:
         OutboxSettings(poll_interval=30.0), min_poll_interval=30.0
     )
     relay = Relay(
-        OutboxStore("default"),
+        Stores("default").relay(),
         publisher,
         config,
         listeners=(),

@@ -16,7 +16,7 @@ from django.test.utils import CaptureQueriesContext
 
 from celery_outbox.backends import WriteOnCommitMixin
 from celery_outbox.models import OutboxMessage
-from celery_outbox.store import OutboxStore
+from celery_outbox.store import Stores
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import add, record
 
@@ -329,7 +329,7 @@ def test_thousands_of_held_rows_fit_under_server_side_binding() -> None:
     options["server_side_binding"] = True
     try:
         with transaction.atomic(using=ALIAS):
-            OutboxStore(ALIAS).insert([envelope(f"t{i}") for i in range(4_400)])
+            Stores(ALIAS).writer().insert([envelope(f"t{i}") for i in range(4_400)])
             assert OutboxMessage.objects.using(ALIAS).count() == 4_400
     finally:
         connection.close()

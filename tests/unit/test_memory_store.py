@@ -1,25 +1,42 @@
-"""The store contract against InMemoryStore, on a fake clock: no database, no sleeping."""
+"""The relay's, the enqueue's and the operator's contracts against the in-memory
+twins, on a fake clock: no database, no sleeping."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from datetime import datetime, timezone
 
 import pytest
 
 from celery_outbox.envelope import Envelope
 from celery_outbox.store.memory import InMemoryStore
+from celery_outbox.store.memory_operator import InMemoryOperatorQueries
 
-from ..contract.store_contract import DeadView, StoreContract
+from ..contract.operator_contract import OperatorContract
+from ..contract.store_contract import DeadView, EnqueueContract, StoreContract
 from ..integration.builders import envelope
 from .fakes import FakeClock
 
 
 class MemoryHarness:
-    """An InMemoryStore whose time moves only when a test waits."""
+    """An InMemoryStore and the operator's twin on its tables; time moves only when a
+    test waits."""
 
     def __init__(self) -> None:
         self.clock = FakeClock()
         self.store = InMemoryStore(self.clock)
+        self.writer = self.store
+        self.operator = InMemoryOperatorQueries(self.store.tables)
+
+    def transaction(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock(), timezone.utc)
+
+    def dead_ids(self) -> list[int]:
+        return [d.id for d in self.store.dead]
 
     def enqueue(self, envelopes: Sequence[Envelope]) -> None:
         self.store.add(envelopes)
@@ -54,6 +71,14 @@ def harness() -> MemoryHarness:
 
 class TestInMemoryStore(StoreContract):
     """Everything the relay relies on, kept in memory."""
+
+
+class TestInMemoryStoreWrites(EnqueueContract):
+    """What the enqueue path's writer promises, kept in memory."""
+
+
+class TestInMemoryOperatorQueries(OperatorContract):
+    """What operators rely on, on the tables the in-memory relay store keeps."""
 
 
 def test_ids_increase_and_rows_start_due_with_no_attempt() -> None:

@@ -141,14 +141,14 @@ class Command(BaseCommand):
     def _health(self, options: dict[str, Any]) -> None:
         from ...app import resolve_app
         from ...broker import build_publisher, describe
-        from ...enqueue import outbox_alias
-        from ...store import OutboxStore
+        from ...store import outbox_stores
 
         settings = get_settings()
-        alias = outbox_alias(settings)
+        stores = outbox_stores(settings)
+        alias = stores.alias
         problems = []
         try:
-            OutboxStore(alias).ping()
+            stores.relay().ping()
         except OutboxConfigurationError as exc:  # reachable, but the tables are missing
             problems.append(str(exc))
         except OutboxError as exc:
@@ -168,6 +168,7 @@ class Command(BaseCommand):
 
     def _stats(self, options: dict[str, Any]) -> None:
         from ...operations import StatsRequest, watch
+        from ...store import outbox_stores
 
         request = StatsRequest(
             format=options["format"],
@@ -175,18 +176,21 @@ class Command(BaseCommand):
             interval=options["watch"],
             iterations=options["iterations"],
         )
-        watch(_store(), request, self.stdout.write)
+        watch(outbox_stores().operator(), request, self.stdout.write)
 
     def _inspect(self, options: dict[str, Any]) -> None:
         from ...inspection import InspectRequest, inspect_message
+        from ...store import outbox_stores
 
         request = InspectRequest.parse(
             task_id=options["task_id"], format=options["format"]
         )
-        self.stdout.write(inspect_message(_store().trace(request.task_id), request))
+        trace = outbox_stores().history_log().trace(request.task_id)
+        self.stdout.write(inspect_message(trace, request))
 
     def _replay(self, options: dict[str, Any]) -> None:
         from ...operations import ReplayRequest, replay
+        from ...store import outbox_stores
 
         request = ReplayRequest.parse(
             ids=options["ids"],
@@ -197,10 +201,11 @@ class Command(BaseCommand):
             dry_run=options["dry_run"],
             chunk_size=options["chunk_size"],
         )
-        self.stdout.write(replay(_store(), request, self.stderr))
+        self.stdout.write(replay(outbox_stores().operator(), request, self.stderr))
 
     def _purge(self, options: dict[str, Any]) -> None:
         from ...operations import PurgeRequest, purge
+        from ...store import outbox_stores
 
         request = PurgeRequest.parse(
             older_than=options["older_than"],
@@ -210,14 +215,7 @@ class Command(BaseCommand):
             chunk_size=options["chunk_size"],
             everything=options["all"],
         )
-        self.stdout.write(purge(_store(), request))
-
-
-def _store() -> Any:
-    from ...enqueue import outbox_alias
-    from ...store import OutboxStore
-
-    return OutboxStore(outbox_alias(get_settings()))
+        self.stdout.write(purge(outbox_stores().operator(), request))
 
 
 def _add_operator_arguments(

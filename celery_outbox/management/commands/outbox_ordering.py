@@ -19,8 +19,6 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...conf import get_settings
-
 
 class Command(BaseCommand):
     help = "Ordered keys: stats, and retry, skip or dead-letter a blocked key's head."
@@ -43,10 +41,9 @@ class Command(BaseCommand):
         dead.add_argument("key")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from ...enqueue import outbox_alias
-        from ...store import OutboxStore
+        from ...store import outbox_stores
 
-        store = OutboxStore(outbox_alias(get_settings()))
+        store = outbox_stores().ordering()
         action = options["action"]
         if action == "stats":
             stats = store.ordering_stats(options["top"])
