@@ -21,6 +21,7 @@ from typing import Any
 from celery.signals import task_postrun, task_prerun
 
 from ..conf import get_settings
+from ..exceptions import OutboxDatabaseError
 from .core import Report, report_for
 from .options import HEADER, Ordering, is_strict
 
@@ -58,10 +59,12 @@ def _store() -> Any:
 
 
 def _started(task: Any = None, task_id: str = "", **_: Any) -> None:
-    if strict_headers(getattr(task, "request", None)) is None:
+    headers = strict_headers(getattr(task, "request", None))
+    if headers is None:
         return
+    row = Ordering.read("", headers).row_token
     try:
-        _store().task_started(task_id, get_settings().strict_lease_seconds)
+        _store().task_started(task_id, get_settings().strict_lease_seconds, row)
     except Exception:
         logger.exception("strict ordering: cannot renew the lease of task %s", task_id)
 
@@ -77,19 +80,36 @@ def _finished(
     if headers is None:
         return
     report = report_for(state)
+    ordering = Ordering.read("", headers)
     try:
         store = _store()
         if report is Report.DONE:
-            store.task_done(task_id)
+            store.task_done(task_id, ordering.row_token)
         elif report is Report.FAILED:
-            policy = Ordering.read("", headers).policy
-            store.task_failed(task_id, _error(retval), policy)
+            _failed(store, task_id, retval, ordering)
         elif report is Report.RETRYING:
             seconds = get_settings().strict_lease_seconds + _retry_delay(retval)
-            store.task_retrying(task_id, seconds)
+            store.task_retrying(task_id, seconds, ordering.row_token)
     except Exception:
         # The lease stays the safety net: the head is published again after it.
         logger.exception("strict ordering: cannot report task %s (%s)", task_id, state)
+
+
+def _failed(store: Any, task_id: str, exc: Any, ordering: Ordering) -> None:
+    """Apply the key's policy; a report refused once is sent again without its text.
+
+    The store makes the text storable; should the report fail all the same, the
+    second one (on a new connection) records the failure's kind and why its text
+    could not be recorded, so that the key's policy still applies and the attempt
+    counts, instead of the task running again after every lease.
+    """
+    try:
+        store.task_failed(task_id, _error(exc), ordering.policy, ordering.row_token)
+    except OutboxDatabaseError as refused:
+        store.reset_connection()
+        kind = type(exc).__name__ if isinstance(exc, BaseException) else "failure"
+        note = f"{kind} (its text could not be recorded: {refused})"
+        store.task_failed(task_id, note, ordering.policy, ordering.row_token)
 
 
 def _error(exc: Any) -> str:
