@@ -295,36 +295,20 @@ class OrderingQueries(StoreBase):
 
     # -- the worker's reports for strict tasks ---------------------------------------
     #
-    # A report names its row by task id and, for rows written since strict rows
-    # carry one, by the row's token: two rows may share a task id (a caller's),
-    # never a token.
-
-    def task_started(
-        self, task_id: str, running_seconds: float, row_token: str | None = None
-    ) -> int:
-        """A strict task began: its running lease starts again from now."""
-        where, params = _reported_row(task_id, row_token)
-        after_sql, after_params = self.dialect.after(running_seconds)
-        with self._translated(), self.connection.cursor() as cursor:
-            cursor.execute(
-                f"UPDATE {MESSAGE_TABLE} SET available_at = {after_sql} WHERE {where}",
-                [*after_params, *params],
-            )
-            return int(cursor.rowcount)
+    # Each report is one statement in autocommit, except a failure's (a transaction):
+    # a worker may send them on a connection of its own, outside Django's handler
+    # (celery_outbox.ordering.worker). A report names its row by task id and, for
+    # rows written since strict rows carry one, by the row's token: two rows may
+    # share a task id (a caller's), never a token.
 
     def task_done(self, task_id: str, row_token: str | None = None) -> int:
-        """A strict task finished: its row goes and the relay is woken for the next."""
+        """A strict task finished: its row goes and the relay is woken for the next.
+
+        State NULL too: the worker may finish before the relay has settled.
+        """
         where, params = _reported_row(task_id, row_token)
-        with (
-            self._translated(),
-            transaction.atomic(using=self.alias),
-            self.connection.cursor() as cursor,
-        ):
-            # state NULL too: the worker may finish before the relay has settled.
-            cursor.execute(f"DELETE FROM {MESSAGE_TABLE} WHERE {where}", params)
-            done = int(cursor.rowcount)
-            self._wake(cursor, done)
-        return done
+        with self._translated(), self.connection.cursor() as cursor:
+            return self.dialect.delete_waking(cursor, where, params)
 
     def task_failed(
         self, task_id: str, error: str, policy: Policy, row_token: str | None = None
@@ -366,7 +350,14 @@ class OrderingQueries(StoreBase):
         self, task_id: str, seconds: float, row_token: str | None = None
     ) -> int:
         """A strict task will run again (``retry``): its key stays held that long."""
-        return self.task_started(task_id, seconds, row_token)
+        where, params = _reported_row(task_id, row_token)
+        after_sql, after_params = self.dialect.after(seconds)
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET available_at = {after_sql} WHERE {where}",
+                [*after_params, *params],
+            )
+            return int(cursor.rowcount)
 
     # -- operators -----------------------------------------------------------------
 

@@ -15,13 +15,16 @@ import pytest
 from celery import shared_task
 from celery.app.trace import build_tracer
 from celery.signals import worker_process_shutdown
-from django.db import transaction
+from django.db import connections, transaction
 
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
+from celery_outbox.ordering.options import Ordering
+from celery_outbox.ordering.worker import wait_for_reports
 from celery_outbox.outcomes import Settlement
 from celery_outbox.store import OutboxStore
+from celery_outbox.store.notify import CHANNEL
 from celery_outbox.text import REPLACEMENT
 from tests.project.shop.models import TaskRun
 from tests.project.shop.tasks import record
@@ -42,8 +45,8 @@ def on_alias(alias: str, settings: Any) -> Iterator[str]:
     settings.CELERY_OUTBOX_DATABASE = alias
     settings.CELERY_OUTBOX_PUBLISH_ON_COMMIT = False
     yield alias
-    # As a worker process ends (connections the reports kept are closed, so that the
-    # test database can be dropped).
+    # As a worker process ends: the reporter thread ends and closes its connection
+    # (the test database can then be dropped).
     worker_process_shutdown.send(sender=None, pid=os.getpid(), exitcode=0)
 
 
@@ -62,6 +65,7 @@ def run_on_worker(message: StoredMessage, task: Any) -> str:
     args, kwargs, _ = task.app.backend.decode(message.envelope.body)
     request = {"id": headers["id"], "headers": headers, "delivery_info": {}}
     info = trace(headers["id"], args, kwargs, request).info  # None: it succeeded
+    assert wait_for_reports(10.0)  # the process's reporter thread wrote them
     return "SUCCESS" if info is None else str(info.state)
 
 
@@ -108,3 +112,27 @@ def test_a_failure_whose_text_no_database_stores_still_applies_the_policy(
         assert (dead.last_error, dead.attempts) == (expected, 1)
         (following,) = publish_heads(store)  # the key went on
         assert following.id > head.id
+
+
+def test_a_done_report_wakes_listening_relays_only_when_a_row_went(
+    on_alias: str,
+) -> None:
+    connection = connections[on_alias]
+    if connection.vendor != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    with transaction.atomic(using=on_alias):
+        record.apply_async(("woken",), ordering_key="K", ordering="strict")
+    store = OutboxStore(on_alias)
+    (head,) = publish_heads(store)
+    listener = connection.get_new_connection(connection.get_connection_params())
+    try:
+        listener.autocommit = True
+        listener.execute(f"LISTEN {CHANNEL}")
+        assert run_on_worker(head, record) == "SUCCESS"
+        assert [n.channel for n in listener.notifies(timeout=2.0)] == [CHANNEL]
+        # The same report again (a duplicate run): nothing went, nobody is woken.
+        ordering = Ordering.read("K", head.envelope.headers)
+        assert store.task_done(head.envelope.task_id, ordering.row_token) == 0
+        assert list(listener.notifies(timeout=0.5)) == []
+    finally:
+        listener.close()
