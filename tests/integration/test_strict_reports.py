@@ -136,3 +136,21 @@ def test_a_done_report_wakes_listening_relays_only_when_a_row_went(
         assert list(listener.notifies(timeout=0.5)) == []
     finally:
         listener.close()
+
+
+def test_a_retry_report_holds_its_own_row_not_another_with_the_task_id(
+    on_alias: str,
+) -> None:
+    with transaction.atomic(using=on_alias):
+        for key in ("K1", "K2"):
+            record.apply_async(
+                (key,), task_id="caller-id", ordering_key=key, ordering="strict"
+            )
+    store = OutboxStore(on_alias)
+    first, second = publish_heads(store)  # two heads, each running for 300 s
+    rows = OutboxMessage.objects.using(on_alias)
+    before = rows.get(id=second.id).available_at
+    token = Ordering.read("K1", first.envelope.headers).row_token
+    assert store.task_retrying("caller-id", 3600.0, token) == 1
+    assert rows.get(id=second.id).available_at == before
+    assert rows.get(id=first.id).available_at > before
