@@ -136,6 +136,32 @@ def child_env(**extra: str) -> dict[str, str]:
     return environ
 
 
+def child_json(
+    module: str, args: Sequence[str], environ: dict[str, str], timeout: float, what: str
+) -> Any:
+    """Run ``python -m module *args``: what the JSON on its last line of output holds.
+
+    A part that needs settings of its own (another database, another app) measures
+    in such a child; ``what`` names the part in the error when the child fails.
+    """
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=environ,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise BenchError(
+            f"{what} exited with {done.returncode}:\n{done.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
 class Child:
     """A subprocess whose stdout lines are collected by a thread."""
 

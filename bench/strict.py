@@ -43,7 +43,6 @@ import itertools
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -52,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import env
-from bench.run import ROOT, BenchError, Brokers, child_env, median, percentile
+from bench.run import BenchError, Brokers, child_env, child_json, median, percentile
 from bench.strict_stack import CONCURRENCY, WORKERS, stack
 
 #: The longest random task duration (seconds); durations are uniform from 0.
@@ -336,28 +335,17 @@ def child_main(argv: list[str] | None = None) -> int:
 
 
 def run_child(vendor: str, sizes: StrictSizes) -> dict[str, Any]:
-    args = [sys.executable, "-m", "bench.strict", "--vendor", vendor]
+    args = ["--vendor", vendor]
     for name in ("keys", "tasks", "rounds"):
         args += [f"--{name}", str(getattr(sizes, name))]
     environ = child_env(
         DJANGO_SETTINGS_MODULE="bench.strict_settings",
         OUTBOX_BENCH_STRICT_VENDOR=vendor,
     )
-    done = subprocess.run(
-        args,
-        cwd=ROOT,
-        env=environ,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        text=True,
-        timeout=CHILD_TIMEOUT,
-        check=False,
+    found: dict[str, Any] = child_json(
+        "bench.strict", args, environ, CHILD_TIMEOUT, f"the strict part on {vendor}"
     )
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise BenchError(f"the strict part on {vendor} exited with {done.returncode}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return found
 
 
 # -- the part ------------------------------------------------------------------
