@@ -86,6 +86,16 @@ def _finished(
         return
     report = report_for(state)
     ordering = Ordering.read("", headers)
+    try:
+        _queue_report(report, task_id, state, retval, ordering)
+    except Exception:
+        # The lease stays the safety net: the head is published again after it.
+        logger.exception("strict ordering: cannot report task %s (%s)", task_id, state)
+
+
+def _queue_report(
+    report: Report, task_id: str, state: str, retval: Any, ordering: Ordering
+) -> None:
     row = ordering.row_token
     if report is Report.DONE:
         REPORTER.send(lambda store: store.task_done(task_id, row), task_id, state)
@@ -140,8 +150,8 @@ def _retry_delay(retry: Any) -> float:
 
 # -- the reporter thread -----------------------------------------------------------
 
-#: One report: what it writes, the task id and the state it is for (for the log).
-_Report = tuple[Callable[[OutboxStore], int], str, str]
+#: One report: what it writes, on which alias, and the task id and state it is for.
+_Report = tuple[Callable[[OutboxStore], int], str, str, str]
 #: What the reporter's queue carries: a report, a marker to set once every report
 #: before it is written, or None to end the thread.
 _Item = _Report | threading.Event | None
@@ -164,8 +174,15 @@ class Reporter:
     def send(
         self, write: Callable[[OutboxStore], int], task_id: str, state: str
     ) -> None:
-        """Queue one report; it is written after those queued before it."""
-        self._running().put((write, task_id, state))
+        """Queue one report; it is written after those queued before it.
+
+        The outbox alias is resolved here, in the task's thread (a router may
+        depend on that thread's state), and the report written on it.
+        """
+        from ..enqueue import outbox_alias  # the enqueue path imports this module
+
+        alias = outbox_alias(get_settings())
+        self._running().put((write, alias, task_id, state))
 
     def wait(self, timeout: float) -> bool:
         """Until the reports queued so far are written (True), or ``timeout`` passed."""
@@ -213,11 +230,9 @@ class Reporter:
             connections.close_all()  # this thread's own
 
     def _write(
-        self, write: Callable[[OutboxStore], int], task_id: str, state: str
+        self, write: Callable[[OutboxStore], int], alias: str, task_id: str, state: str
     ) -> None:
-        from ..enqueue import outbox_alias  # the enqueue path imports this module
-
-        store = OutboxStore(outbox_alias(get_settings()))
+        store = OutboxStore(alias)
         try:
             try:
                 write(store)
