@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 from django.apps import AppConfig
+
+from bench import env
 
 
 class BenchConfig(AppConfig):
-    """``bench``: its models, and the ``bench.latency`` handler receiver."""
+    """``bench``: its models, the ``bench.latency`` handler receiver, and in the
+    strict part's relay the record of each publish."""
 
     name = "bench"
 
@@ -15,3 +20,7 @@ class BenchConfig(AppConfig):
         from bench.handlers_latency import register
 
         register()
+        if os.environ.get(env.PUBLISHED_ENV):
+            from bench.celery import record_publishes
+
+            record_publishes()

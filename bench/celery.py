@@ -54,6 +54,24 @@ def _ordered(tag: str, seconds: float = 0.0) -> str:
 
 ordered = app.task(name="bench.ordered")(_ordered)
 
+#: The Redis list of ``"<task id> <monotonic>"``, one per published message.
+PUBLISHED_KEY = f"{env.QUEUE}:published"
+
+
+def record_publishes() -> None:
+    """Append each message the relay published (``message_published``) to Redis.
+
+    The signal is sent once the batch's settlement committed: for a strict head,
+    when it is published and held running. The strict part pairs these times with
+    the end of the key's previous task: the hand-off.
+    """
+    from celery_outbox.signals import message_published
+
+    def published(task_id: str = "", **_: Any) -> None:
+        _runs().rpush(PUBLISHED_KEY, f"{task_id} {time.monotonic():.6f}")
+
+    message_published.connect(published, weak=False, dispatch_uid="bench.published")
+
 
 def plain_app(kind: str) -> Celery:
     """A plain ``celery.Celery`` on the ``amqp`` or ``redis`` broker, same queue."""

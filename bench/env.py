@@ -26,6 +26,10 @@ QUEUE = os.environ.setdefault("OUTBOX_BENCH_QUEUE", f"celery-outbox-bench-{RUN_I
 
 TASK_NAME = "bench.noop"
 
+#: Set in the strict part's relay: it records when it published each message
+#: (:func:`bench.celery.record_publishes`).
+PUBLISHED_ENV = "OUTBOX_BENCH_RECORD_PUBLISHED"
+
 
 def broker_url(kind: str | None = None) -> str:
     """The URL of the ``amqp`` or ``redis`` broker."""

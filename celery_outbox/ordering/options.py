@@ -8,14 +8,19 @@ a strict head, block or skip a failed one) and by the worker (report completion)
 from __future__ import annotations
 
 import enum
+import re
+import uuid
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..exceptions import OutboxValueError
 
-#: The message header that carries the non-default options: ``strict,skip,coalesce``.
+#: The message header that carries the non-default options: ``strict,skip,coalesce``,
+#: and a strict row's token (``row=<32 hex digits>``).
 HEADER = "outbox_ordering"
+#: How a strict row's token is written in :data:`HEADER`, before its hex digits.
+ROW_FLAG = "row="
 
 #: The options :func:`pop_options` takes out of ``apply_async``'s keyword arguments.
 OPTION_NAMES = (
@@ -44,6 +49,10 @@ class Ordering:
     policy: Policy = Policy.BLOCK
     #: Older unpublished rows of the same task and key are dropped for this one.
     coalesce: bool = False
+    #: A strict row's own token, made at enqueue: the worker's reports name the row
+    #: by it, since another row may carry the same task id. None: unkeyed, not
+    #: strict, or written before strict rows carried one.
+    row_token: str | None = field(default=None, compare=False)
 
     @property
     def header(self) -> str | None:
@@ -54,6 +63,7 @@ class Ordering:
                 ("strict", self.strict),
                 ("skip", self.policy is Policy.SKIP),
                 ("coalesce", self.coalesce),
+                (f"{ROW_FLAG}{self.row_token}", self.row_token is not None),
             )
             if on
         ]
@@ -68,15 +78,24 @@ class Ordering:
         if not value:
             return cls(key)
         flags = set(str(value).split(","))
+        tokens = [
+            flag[len(ROW_FLAG) :]
+            for flag in flags
+            if flag.startswith(ROW_FLAG) and _TOKEN.fullmatch(flag[len(ROW_FLAG) :])
+        ]
         return cls(
             key,
             strict="strict" in flags,
             policy=Policy.SKIP if "skip" in flags else Policy.BLOCK,
             coalesce="coalesce" in flags,
+            row_token=tokens[0] if tokens else None,
         )
 
 
 UNORDERED = Ordering()
+#: What a row token looks like (``uuid4().hex``); anything else in the header is
+#: ignored, and the reports fall back to the task id.
+_TOKEN = re.compile("[0-9a-f]{32}")
 
 
 def is_strict(headers: Mapping[str, Any]) -> bool:
@@ -128,11 +147,13 @@ def pop_options(options: MutableMapping[str, Any], task_name: str) -> Ordering:
                 f"ordering_key (or a coalesce_key). Nothing was written."
             )
         return UNORDERED
+    strict = mode == "strict"
     return Ordering(
         key,
-        strict=mode == "strict",
+        strict=strict,
         policy=Policy(policy or "block"),
         coalesce=coalesce,
+        row_token=uuid.uuid4().hex if strict else None,
     )
 
 

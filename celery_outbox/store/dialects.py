@@ -85,6 +85,15 @@ class Dialect:
         """The enqueue INSERT, with a wake-up hint for the relay where the vendor has one."""
         return insert_sql
 
+    def delete_waking(self, cursor: Any, where: str, params: Sequence[Any]) -> int:
+        """Delete the outbox rows ``where`` selects, in one statement; how many went.
+
+        Where the vendor has a wake-up hint, listening relays get it when at least
+        one row went, once the statement's transaction commits.
+        """
+        cursor.execute(f"DELETE FROM {MESSAGE_TABLE} WHERE {where}", list(params))
+        return int(cursor.rowcount)
+
     def after(self, seconds: float) -> tuple[str, list[Any]]:
         """SQL (and its parameters) for the database time ``seconds`` from now."""
         return self.after_expr("%s"), [self.delay_value(seconds)]
@@ -178,6 +187,16 @@ class PostgresDialect(Dialect):
         # A data-modifying CTE runs even though the SELECT ignores it: one round trip,
         # and PostgreSQL delivers the notification only if the transaction commits.
         return f"WITH inserted AS ({insert_sql} RETURNING 1) SELECT pg_notify('{CHANNEL}', '')"
+
+    def delete_waking(self, cursor: Any, where: str, params: Sequence[Any]) -> int:
+        # One notification per deleted row, which PostgreSQL folds into one (same
+        # channel, same payload, one transaction); none when nothing went.
+        cursor.execute(
+            f"WITH gone AS (DELETE FROM {MESSAGE_TABLE} WHERE {where} RETURNING 1) "
+            f"SELECT COUNT(*) FROM (SELECT pg_notify('{CHANNEL}', '') FROM gone) woken",
+            list(params),
+        )
+        return int(cursor.fetchone()[0])
 
     def now(self) -> str:
         return "now()"

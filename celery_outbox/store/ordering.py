@@ -18,8 +18,9 @@ from django.db import transaction
 
 from ..envelope import load_json
 from ..ordering.core import Follower, run_length, superseded
-from ..ordering.options import HEADER, UNORDERED, Ordering, Policy
+from ..ordering.options import HEADER, ROW_FLAG, UNORDERED, Ordering, Policy
 from ..outcomes import Decision
+from ..text import storable
 from .base import StoreBase
 from .dialects import (
     CLAIM_COLUMNS,
@@ -105,6 +106,21 @@ class OrderingStats:
             "deepest": [vars(d) for d in self.deepest],
             "oldest_head_seconds": self.oldest_head_seconds,
         }
+
+
+def _reported_row(task_id: str, row_token: str | None) -> tuple[str, list[Any]]:
+    """The WHERE clause (and parameters) of the strict row a worker reports on.
+
+    The task id finds the row through its index; the token, where the message
+    carries one, tells it from another row of the same task id.
+    """
+    where = (
+        f"task_id = %s AND ordering_key IS NOT NULL AND (state IS NULL OR "
+        f"state = '{RUNNING}')"
+    )
+    if row_token is None:
+        return where, [task_id]
+    return f"{where} AND headers LIKE %s", [task_id, f"%{ROW_FLAG}{row_token}%"]
 
 
 def row_ordering(row: Sequence[Any]) -> Ordering:
@@ -283,49 +299,41 @@ class OrderingQueries(StoreBase):
     actions on a blocked head, the statistics."""
 
     # -- the worker's reports for strict tasks ---------------------------------------
+    #
+    # Each report is one statement in autocommit, except a failure's (a transaction):
+    # a worker may send them on a connection of its own, outside Django's handler
+    # (celery_outbox.ordering.worker). A report names its row by task id and, for
+    # rows written since strict rows carry one, by the row's token: two rows may
+    # share a task id (a caller's), never a token.
 
-    def task_started(self, task_id: str, running_seconds: float) -> int:
-        """A strict task began: its running lease starts again from now."""
-        after_sql, after_params = self.dialect.after(running_seconds)
+    def task_done(self, task_id: str, row_token: str | None = None) -> int:
+        """A strict task finished: its row goes and the relay is woken for the next.
+
+        State NULL too: the worker may finish before the relay has settled.
+        """
+        where, params = _reported_row(task_id, row_token)
         with self._translated(), self.connection.cursor() as cursor:
-            cursor.execute(
-                f"UPDATE {MESSAGE_TABLE} SET available_at = {after_sql} WHERE "
-                f"task_id = %s AND ordering_key IS NOT NULL AND (state IS NULL OR "
-                f"state = '{RUNNING}')",
-                [*after_params, task_id],
-            )
-            return int(cursor.rowcount)
+            return self.dialect.delete_waking(cursor, where, params)
 
-    def task_done(self, task_id: str) -> int:
-        """A strict task finished: its row goes and the relay is woken for the next."""
-        with (
-            self._translated(),
-            transaction.atomic(using=self.alias),
-            self.connection.cursor() as cursor,
-        ):
-            # state NULL too: the worker may finish before the relay has settled.
-            cursor.execute(
-                f"DELETE FROM {MESSAGE_TABLE} WHERE task_id = %s AND ordering_key IS "
-                f"NOT NULL AND (state IS NULL OR state = '{RUNNING}')",
-                [task_id],
-            )
-            done = int(cursor.rowcount)
-            self._wake(cursor, done)
-        return done
+    def task_failed(
+        self, task_id: str, error: str, policy: Policy, row_token: str | None = None
+    ) -> int:
+        """A strict task failed for good: block its key, or dead-letter it and go on.
 
-    def task_failed(self, task_id: str, error: str, policy: Policy) -> int:
-        """A strict task failed for good: block its key, or dead-letter it and go on."""
+        ``error`` is made storable first (:func:`~celery_outbox.text.storable`): a
+        failure that could not be recorded would keep its key waiting for ever.
+        """
         dialect = self.dialect
+        error = storable(error)
+        where, params = _reported_row(task_id, row_token)
         with (
             self._translated(),
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
             cursor.execute(
-                f"SELECT id FROM {MESSAGE_TABLE} WHERE task_id = %s AND ordering_key "
-                f"IS NOT NULL AND (state IS NULL OR state = '{RUNNING}')"
-                f"{self._for_update()}",
-                [task_id],
+                f"SELECT id FROM {MESSAGE_TABLE} WHERE {where}{self._for_update()}",
+                params,
             )
             ids = [int(row[0]) for row in cursor.fetchall()]
             if not ids:
@@ -339,13 +347,22 @@ class OrderingQueries(StoreBase):
                 f"UPDATE {MESSAGE_TABLE} SET state = '{BLOCKED}', attempts = attempts "
                 f"+ 1, last_error = %s, available_at = {after_sql}, lease_token = NULL, "
                 f"holder = NULL WHERE id IN ({placeholders(ids)})",
-                [error[:4000], *after_params, *ids],
+                [error, *after_params, *ids],
             )
             return int(cursor.rowcount)
 
-    def task_retrying(self, task_id: str, seconds: float) -> int:
+    def task_retrying(
+        self, task_id: str, seconds: float, row_token: str | None = None
+    ) -> int:
         """A strict task will run again (``retry``): its key stays held that long."""
-        return self.task_started(task_id, seconds)
+        where, params = _reported_row(task_id, row_token)
+        after_sql, after_params = self.dialect.after(seconds)
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET available_at = {after_sql} WHERE {where}",
+                [*after_params, *params],
+            )
+            return int(cursor.rowcount)
 
     # -- operators -----------------------------------------------------------------
 

@@ -176,20 +176,24 @@ class OrderingStore(Protocol):
     """Ordered keys' heads: the worker's reports on strict tasks, the operator's
     actions on blocked heads, and the keys' statistics."""
 
-    def task_started(self, task_id: str, running_seconds: float) -> int:
-        """A strict task began: its key stays held ``running_seconds`` from now."""
+    def task_done(self, task_id: str, row_token: str | None = None) -> int:
+        """A strict task finished: its row (``row_token``'s) goes and its key moves on."""
         ...
 
-    def task_done(self, task_id: str) -> int:
-        """A strict task finished: its row goes and its key moves on."""
-        ...
-
-    def task_failed(self, task_id: str, error: str, policy: Policy) -> int:
+    def task_failed(
+        self, task_id: str, error: str, policy: Policy, row_token: str | None = None
+    ) -> int:
         """A strict task failed for good: block its key, or dead-letter it and go on."""
         ...
 
-    def task_retrying(self, task_id: str, seconds: float) -> int:
+    def task_retrying(
+        self, task_id: str, seconds: float, row_token: str | None = None
+    ) -> int:
         """A strict task will run again: its key stays held ``seconds`` from now."""
+        ...
+
+    def reset_connection(self) -> None:
+        """Drop a connection that failed, so that the next call reconnects."""
         ...
 
     def blocked_heads(self) -> tuple[BlockedHead, ...]:

@@ -136,7 +136,6 @@ class OrderingContract:
             roles, keyed("s0", "S", "strict"), keyed("s1", "S", "strict")
         )
         assert publish_all(roles) == (head,)
-        assert roles.ordering.task_started(head, LONG) == 1
         assert roles.ordering.task_retrying(head, LONG) == 1
         assert roles.ordering.ordering_stats().running == 1
         assert roles.relay.claim(10, LONG).messages == ()

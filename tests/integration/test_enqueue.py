@@ -396,9 +396,15 @@ def test_ordering_options_reach_the_row_and_the_headers_task_defaults_included()
         finally:
             ordered.ordering = None
     found = [(r.ordering_key, json.loads(r.headers).get(HEADER)) for r in rows()]
-    assert found == [
+    # A strict row also carries its own token, which its worker's reports name.
+    flags = [(key, value and value.split(",row=")[0]) for key, value in found]
+    assert flags == [
         ("org:1", "strict"),
         ("obj:9", "coalesce"),
         ("org:2", "strict"),
         (None, None),
     ]
+    tokens = {
+        value.split(",row=")[1] for _, value in found if value and "row=" in value
+    }
+    assert len(tokens) == 2

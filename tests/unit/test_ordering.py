@@ -93,10 +93,24 @@ def test_options_become_a_key_and_a_header_that_reads_back() -> None:
     ordering = pop_options(options, "t")
     assert options == {"x": 1}
     assert ordering == Ordering("42", strict=True, policy=Policy.SKIP)
-    assert ordering.header == "strict,skip"
-    assert Ordering.read("42", {HEADER: ordering.header}) == ordering
+    assert ordering.header == f"strict,skip,row={ordering.row_token}"
+    read = Ordering.read("42", {HEADER: ordering.header})
+    assert (read, read.row_token) == (ordering, ordering.row_token)
     assert pop_options({"ordering_key": "k"}, "t").header is None
     assert pop_options({}, "t") == Ordering()
+
+
+def test_each_strict_call_gets_a_row_token_of_its_own() -> None:
+    tokens = {
+        pop_options({"ordering_key": "k", "ordering": "strict"}, "t").row_token
+        for _ in range(3)
+    }
+    assert len(tokens) == 3 and all(t and len(t) == 32 for t in tokens)
+    assert pop_options({"ordering_key": "k"}, "t").row_token is None
+    # A header written before tokens, or edited by hand, names no row: the worker's
+    # reports fall back to the task id.
+    assert Ordering.read("k", {HEADER: "strict"}).row_token is None
+    assert Ordering.read("k", {HEADER: "strict,row=%"}).row_token is None
 
 
 def test_a_coalesce_key_is_the_ordering_key() -> None:
