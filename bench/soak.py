@@ -12,7 +12,8 @@ grow and every message that reached it is still counted. Every ``--every`` secon
 a line: the drain rate, the claim time (p50/p99), the outbox table's and its indexes'
 size and its dead tuples (``pg_stat_user_tables``), with the autovacuum runs so far.
 
-It runs on a database of its own (``outbox_bench_soak``, or ``OUTBOX_BENCH_DB``):
+It runs on a database of its own (``outbox_bench_soak``, or ``OUTBOX_BENCH_DB``;
+``python -m bench --only soak`` uses the bench database's name with ``_soak``):
 the table's size must be the soak's alone. ``--autovacuum recommended`` sets the
 per-table settings docs/operations.md recommends before the run; ``default`` (the
 default) resets them, so the table runs with the server's settings.
@@ -268,8 +269,11 @@ def run_soak(quick: bool) -> None:
 
     from bench.run import ROOT
 
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_BENCH_")}
-    environ.update(OUTBOX_BENCH_DB="outbox_bench_soak")
+    # A run id and queue of its own; the services where the parent's are, the
+    # database beside the parent's (outbox_bench_soak next to outbox_bench).
+    fresh = ("OUTBOX_BENCH_RUN", "OUTBOX_BENCH_QUEUE")
+    environ = {k: v for k, v in os.environ.items() if k not in fresh}
+    environ["OUTBOX_BENCH_DB"] = f"{env.PG_NAME}_soak"
     args = [sys.executable, "-m", "bench.soak"] + (
         ["--count", "50000"] if quick else []
     )
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "--count", type=int, default=1_000_000, help="messages (1,000,000)"
     )
     parser.add_argument(
-        "--rate", type=float, default=2_500.0, help="messages/s (2,500)"
+        "--rate", type=float, default=2_000.0, help="messages/s (2,000)"
     )
     parser.add_argument(
         "--every", type=float, default=30.0, help="seconds per line (30)"
