@@ -1177,11 +1177,13 @@ def main(argv: list[str] | None = None) -> int:
             "handlers",
             "library",
             "profile",
+            "soak",
         ],
         help=(
             "run one part (library: the drain with and without the relay's own "
-            "publishing code; profile: cProfile of an in-process drain; neither is "
-            "in the default run)"
+            "publishing code; profile: cProfile of an in-process drain; soak: a "
+            "million messages through one relay, python -m bench.soak for its "
+            "options; none of the three is in the default run)"
         ),
     )
     parser.add_argument(
@@ -1255,6 +1257,10 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.handlers_latency import bench_handlers  # imports this module
 
                 report.handlers = bench_handlers(args.quick, args.repeats)
+            elif part == "soak":
+                from bench.soak import run_soak  # a process and a database of its own
+
+                run_soak(args.quick)
             elif part == "profile":
                 for kind in ("amqp", "redis"):
                     print(profile_drain(kind, envelopes, brokers), flush=True)

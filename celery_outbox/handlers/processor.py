@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 
-from django.db import connections, router, transaction
+from django.db import DatabaseError, InterfaceError, connections, router, transaction
 
 from ..conf import OutboxSettings, get_settings
 from .core import Plan, Row, Verdict, after_failure, coalesce
@@ -148,6 +148,8 @@ class Processor:
         self._monotonic = monotonic
         self._stop = threading.Event()
         self._discovered_at: dict[str, float] = {}
+        #: Leases a database error left held, per alias: given back at the next pass.
+        self._interrupted: dict[str, list[Lease]] = {}
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after the shard in hand."""
@@ -188,6 +190,7 @@ class Processor:
             self.process(store, lease)
 
     def _pass(self, store: HandlerStore) -> int:
+        self._give_back(store)
         self._discover(store)
         claimed = 0
         while not self._stop.is_set():
@@ -197,6 +200,17 @@ class Processor:
             claimed += 1
             self.process(store, lease)
         return claimed
+
+    def _give_back(self, store: HandlerStore) -> None:
+        """Make the shards a database error interrupted due again, no attempt charged.
+
+        Their leases are still in the database; left there, the shards would wait
+        out the whole lease once the database is back.
+        """
+        leases = self._interrupted.get(store.using, [])
+        while leases:
+            store.requeue(leases[-1])
+            leases.pop()
 
     def _discover(self, store: HandlerStore) -> None:
         now = self._monotonic()
@@ -222,6 +236,9 @@ class Processor:
                     "was rolled back or will run again",
                     lease.shard,
                 )
+            except (DatabaseError, InterfaceError):
+                self._interrupted.setdefault(store.using, []).append(lease)
+                raise
 
     def _drain(self, store: HandlerStore, lease: Lease) -> None:
         for _ in range(self.config.windows_per_claim):

@@ -133,7 +133,7 @@ class Dialect:
         cursor.execute(
             f"UPDATE {MESSAGE_TABLE} SET lease_token = %s, holder = %s, "
             f"available_at = {after_sql} "
-            f"WHERE id IN ({self._due_ids_sql(task_ids)}) RETURNING {columns}",
+            f"WHERE {self._claimed_rows(task_ids)} RETURNING {columns}",
             [token, holder, *after_params, *task_ids, limit],
         )
         return list(cursor.fetchall())
@@ -170,9 +170,13 @@ class Dialect:
         """The claim's selection of due rows (what the index must serve), one ``%s``: limit."""
         return self._due_ids_sql()
 
-    def _due_ids_sql(self, task_ids: Sequence[str] = ()) -> str:
+    def _claimed_rows(self, task_ids: Sequence[str]) -> str:
+        """The claim's UPDATE condition: the rows the selection picks."""
+        return f"id IN ({self._due_ids_sql(task_ids)})"
+
+    def _due_ids_sql(self, task_ids: Sequence[str] = (), select: str = "id") -> str:
         return (
-            f"SELECT id FROM {MESSAGE_TABLE} d WHERE {self._due_where(task_ids)} "
+            f"SELECT {select} FROM {MESSAGE_TABLE} d WHERE {self._due_where(task_ids)} "
             f"ORDER BY available_at, id LIMIT %s"
         )
 
@@ -215,8 +219,17 @@ class PostgresDialect(Dialect):
         # the driver and the server reuse its parsing instead of 500 placeholders.
         return f"{column} = ANY(%s)", [list(ids)]
 
-    def _due_ids_sql(self, task_ids: Sequence[str] = ()) -> str:
-        return super()._due_ids_sql(task_ids) + " FOR UPDATE SKIP LOCKED"
+    def _claimed_rows(self, task_ids: Sequence[str]) -> str:
+        # The rows the selection locked, by their address: one TID scan, whatever the
+        # statistics say. A queue table vacuumed while nearly empty is one row to the
+        # planner until the next ANALYZE; "id IN (selection)" then ran the selection
+        # once per row of the table (claiming every due row, not a batch) or found each
+        # id by reading the whole (ordering_key, id) index. A locked row keeps its
+        # address until this statement changes it.
+        return f"ctid = ANY(ARRAY({self._due_ids_sql(task_ids, 'ctid')}))"
+
+    def _due_ids_sql(self, task_ids: Sequence[str] = (), select: str = "id") -> str:
+        return super()._due_ids_sql(task_ids, select) + " FOR UPDATE SKIP LOCKED"
 
     def _older_in_key(self) -> str:
         # The nearest lower id of the key, found by reading the (ordering_key, id)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from kombu import Connection
 
-from tests.e2e.conftest import e2e, pytest_runtest_makereport
+from tests.e2e.conftest import BROKER_AMQP, e2e, pytest_runtest_makereport
 
 __all__ = ["e2e", "pytest_runtest_makereport"]
 
@@ -23,6 +24,25 @@ def measured() -> Iterator[list[str]]:
     lines: list[str] = []
     yield lines
     MEASUREMENTS.extend(lines)
+
+
+@pytest.fixture
+def rabbit_queue(test_queue: str) -> Iterator[str]:
+    """This run's RabbitMQ queue, purged before and after the test."""
+    purge(test_queue)
+    yield test_queue
+    purge(test_queue)
+
+
+def purge(queue: str) -> None:
+    """Declare ``queue`` (durable) and drop every message in it."""
+    with Connection(BROKER_AMQP) as conn:
+        channel = conn.channel()
+        try:
+            channel.queue_declare(queue, durable=True, auto_delete=False)
+            channel.queue_purge(queue)
+        finally:
+            channel.close()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -80,23 +80,6 @@ def loss_report(
     return lost, duplicates
 
 
-@pytest.fixture
-def rabbit_queue(test_queue: str) -> Iterator[str]:
-    purge(test_queue)
-    yield test_queue
-    purge(test_queue)
-
-
-def purge(queue: str) -> None:
-    with Connection(BROKER_AMQP) as conn:
-        channel = conn.channel()
-        try:
-            channel.queue_declare(queue, durable=True, auto_delete=False)
-            channel.queue_purge(queue)
-        finally:
-            channel.close()
-
-
 def count_at_broker(queue: str, expected: int, timeout: float = 60.0) -> Counter[str]:
     """Consume the queue and count each task id (the broker's view of what was published)."""
     seen: Counter[str] = Counter()
