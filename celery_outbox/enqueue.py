@@ -17,6 +17,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timezone, tzinfo
 from typing import Any
 
 from django.apps import apps
@@ -40,6 +41,7 @@ from .exceptions import (
 from .ordering.options import HEADER as ORDERING_HEADER
 from .ordering.options import OPTION_NAMES, pop_options
 from .queues import cached_queue_spec
+from .scheduling import schedule
 from .signals import send_created
 from .store import OutboxStore
 
@@ -205,8 +207,13 @@ class CapturingProducer:
         buffered: bool = False,
         event_exchange: str | None = None,
         amqp: bool = False,
+        zone: tzinfo = timezone.utc,
     ) -> None:
-        """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused."""
+        """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused.
+
+        ``zone`` is the app's timezone, in which a naive ``eta`` is read (as the worker
+        reads it) to tell whether the task is scheduled (:mod:`.scheduling`).
+        """
         #: Celery wraps the publish in ``connection._reraise_as_library_errors()``;
         #: the connection is never opened by the enqueue path.
         self.connection = connection
@@ -221,6 +228,7 @@ class CapturingProducer:
         #: "task-sent" event at call time would announce a publish that has not happened.
         self._event_exchange = event_exchange
         self.amqp = amqp
+        self.zone = zone
         #: Task ids whose ``dedup_key`` another task held, with that task's id
         #: (taken back by :meth:`take_holder`).
         self._refused: dict[str, str] = {}
@@ -329,6 +337,10 @@ class CapturingProducer:
             ordering_key=ordering.key,
             log_context=capture_log_context(get_settings()),
         )
+        if headers.get("eta") is not None:  # all a task without an ETA pays
+            envelope = schedule(
+                envelope, headers, after=get_settings().schedule_after, zone=self.zone
+            )
         if dedup_key is not None or dedup_window is not None:
             envelope = dataclasses.replace(
                 envelope,
@@ -513,11 +525,14 @@ class Enqueuer:
         self._on_commit = on_commit
         self._installed = False
 
-    def write(self, envelopes: Sequence[Envelope]) -> Mapping[str, str]:
+    def write(
+        self, envelopes: Sequence[Envelope], *, guarded: bool = True
+    ) -> Mapping[str, str]:
         """Insert messages on the outbox alias, in the caller's transaction, in one INSERT.
 
         Returns ``{task_id: holder}`` for the messages not written because another
-        task holds their ``dedup_key``.
+        task holds their ``dedup_key``. Without ``guarded`` no transaction is asked
+        for: a worker's scheduled retry, which Celery would have sent at once.
         """
         if not self._installed:
             self._installed = require_installed()
@@ -528,7 +543,7 @@ class Enqueuer:
             if len(envelopes) == 1
             else dict.fromkeys(e.task_name for e in envelopes)
         )
-        for name in names:
+        for name in names if guarded else ():
             self.guard.check(alias, name, settings.outside_transaction)
         # The store coalesces the hints of a burst of commits.
         store = OutboxStore(alias)

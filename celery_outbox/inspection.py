@@ -15,7 +15,7 @@ from typing import Any
 
 from django.core.management.base import CommandError
 
-from .states import DEAD, PUBLISHED
+from .states import DEAD, PUBLISHED, SCHEDULED
 from .store.history import HistoryEntry, MessageTrace
 
 FORMATS = ("text", "json")
@@ -127,6 +127,8 @@ def _where(trace: MessageTrace, state: str) -> list[str]:
             ]
         elif state == "due":
             lines.append(_field("due since", _moment(row.available_at)))
+        elif state == SCHEDULED:
+            lines.append(_field("due at", f"{_moment(row.due_at)} (its ETA)"))
         elif state in ("retrying", "deferred"):
             lines.append(_field("next try", _moment(row.available_at)))
         elif state == "running":
@@ -221,6 +223,7 @@ def _as_dict(trace: MessageTrace, state: str) -> dict[str, Any]:
                 "available_at": r.available_at,
                 "holder": r.holder,
                 "holder_name": r.holder_name or None,
+                "due_at": r.due_at,
             }
             for r in trace.rows
         ],

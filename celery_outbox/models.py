@@ -72,6 +72,10 @@ class OutboxMessage(MessageFields):
     #: head waits for its worker, ``blocked`` while a failed head waits for an
     #: operator. NULL otherwise, so that the enqueue path never writes it.
     state = models.CharField(max_length=8, null=True, blank=True)
+    #: Scheduled tasks only (an ETA beyond ``CELERY_OUTBOX_SCHEDULE_AFTER``): when the
+    #: task falls due, on the database clock. Ages count from it (a scheduled task is
+    #: not late while it waits). NULL otherwise: other rows never write it.
+    due_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "celery_outbox_message"

@@ -73,6 +73,8 @@ class WaitingRow:
     #: its heartbeat row is there ("" once it is gone).
     holder: str | None
     holder_name: str
+    #: A scheduled task's ETA (None for other rows).
+    due_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -224,14 +226,14 @@ class HistoryLog(StoreBase):
         from ..models import DeadLetter, HistoryEvent, OutboxMessage, RelayHeartbeat
 
         alias = self.alias
-        due = RawSQL(
-            f"CASE WHEN available_at <= {self.dialect.now()} THEN 1 ELSE 0 END", []
-        )
+        now = self.dialect.now()
+        due = RawSQL(f"CASE WHEN available_at <= {now} THEN 1 ELSE 0 END", [])
+        ahead = RawSQL(f"CASE WHEN due_at > {now} THEN 1 ELSE 0 END", [])
         with self._translated():
             rows = list(
                 OutboxMessage.objects.using(alias)
                 .filter(task_id=task_id)
-                .annotate(is_due=due)
+                .annotate(is_due=due, is_ahead=ahead)
                 .order_by("id")
                 .values_list(
                     "id",
@@ -244,6 +246,8 @@ class HistoryLog(StoreBase):
                     "created_at",
                     "available_at",
                     "holder",
+                    "is_ahead",
+                    "due_at",
                 )
             )
             holders = {str(row[9]) for row in rows if row[9]}
@@ -286,6 +290,7 @@ class HistoryLog(StoreBase):
                     leased=bool(token),
                     attempts=attempts,
                     ordering_state=ordering_state,
+                    scheduled=bool(int(is_ahead)),
                 ),
                 attempts=attempts,
                 last_error=error,
@@ -293,6 +298,7 @@ class HistoryLog(StoreBase):
                 available_at=available,
                 holder=holder,
                 holder_name=names.get(holder, "") if holder else "",
+                due_at=due_at,
             )
             for (
                 row_id,
@@ -305,6 +311,8 @@ class HistoryLog(StoreBase):
                 created,
                 available,
                 holder,
+                is_ahead,
+                due_at,
             ) in rows
         )
         return MessageTrace(task_id, waiting, dead, events, self.history)
