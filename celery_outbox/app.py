@@ -95,8 +95,11 @@ class OutboxCelery(Celery):
     ) -> Iterator[Any]:
         """Celery's canvas sends a group's members through one producer: buffer them.
 
-        Every member that goes through the outbox is collected and written in one
-        INSERT when the group is complete, still inside the caller's transaction.
+        Inside the caller's transaction, every member that goes through the outbox
+        is collected and written in one INSERT when the group is complete. Outside
+        one, the first member is written at once, as Celery would publish it, and
+        the others together, or as they come when the group is built slowly (a
+        generator: Celery publishes each member as it is yielded).
         """
         if producer is not None:
             yield producer
@@ -169,6 +172,7 @@ class OutboxCelery(Celery):
             if buffered
             else _publishes_with_amqp(connection),
             zone=self.timezone,
+            autocommit=self._outbox_enqueuer.autocommit if buffered else None,
         )
 
     def _schedules(

@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timezone, tzinfo
 from typing import Any
@@ -208,11 +209,16 @@ class CapturingProducer:
         event_exchange: str | None = None,
         amqp: bool = False,
         zone: tzinfo = timezone.utc,
+        autocommit: Callable[[], bool] | None = None,
     ) -> None:
         """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused.
 
         ``zone`` is the app's timezone, in which a naive ``eta`` is read (as the worker
         reads it) to tell whether the task is scheduled (:mod:`.scheduling`).
+        ``autocommit`` tells a buffered producer whether its writes commit at once
+        (the outbox alias is not inside ``atomic()``): it then writes a group's first
+        member at once, as Celery would publish it, and later ones when the builder
+        pauses (a generator), instead of all of them at the end.
         """
         #: Celery wraps the publish in ``connection._reraise_as_library_errors()``;
         #: the connection is never opened by the enqueue path.
@@ -224,6 +230,9 @@ class CapturingProducer:
         self._sink = sink
         self._buffered = buffered
         self._pending: list[Envelope] = []
+        self._autocommit = autocommit
+        self._last_member_at = time.monotonic()
+        self._written = False
         #: Celery's monitoring events (task_send_sent_event) are not stored: a
         #: "task-sent" event at call time would announce a publish that has not happened.
         self._event_exchange = event_exchange
@@ -241,6 +250,7 @@ class CapturingProducer:
         """Write what a buffered producer collected, in one INSERT."""
         pending, self._pending = self._pending, []
         if pending:
+            self._written = True
             self._sink(pending)
 
     def discard(self) -> None:
@@ -250,8 +260,19 @@ class CapturingProducer:
     def _emit(self, envelope: Envelope) -> None:
         if self._buffered:
             self._pending.append(envelope)
+            now = time.monotonic()
+            paused = now - self._last_member_at >= GROUP_PAUSE_SECONDS
+            self._last_member_at = now
+            if (not self._written or paused) and self._autocommit_now():
+                # Outside a transaction a header built slowly (from a generator) is
+                # written as it is built: its first members run meanwhile, as with
+                # Celery. Inside one, nothing is seen before the commit anyway.
+                self.flush()
         else:
             self._refused.update(self._sink([envelope]))
+
+    def _autocommit_now(self) -> bool:
+        return self._autocommit is not None and self._autocommit()
 
     @property
     def channel(self) -> Any:
@@ -392,6 +413,10 @@ def refuse_for_amqp(task_name: str, problem: str | None) -> None:
         )
 
 
+#: Outside a transaction, a group member that comes this long after the one before
+#: it (the group is built by a slow generator) is written at once, with those before.
+GROUP_PAUSE_SECONDS = 0.1
+
 #: Present in ``sys.modules`` once the application uses OpenTelemetry.
 OTEL_TRACE_MODULE = "opentelemetry.trace"
 
@@ -524,6 +549,10 @@ class Enqueuer:
         self.guard = TransactionGuard()
         self._on_commit = on_commit
         self._installed = False
+
+    def autocommit(self) -> bool:
+        """Whether a write now commits on its own (the outbox alias is not in ``atomic()``)."""
+        return not connections[outbox_alias(get_settings())].in_atomic_block
 
     def write(
         self, envelopes: Sequence[Envelope], *, guarded: bool = True
