@@ -44,6 +44,9 @@ class OutboxCelery(Celery):
     #: the ordering defaults (``@app.task(ordering="strict")``); no-ops for tasks
     #: that do not use them. A ``task_cls=`` argument still wins.
     task_cls = "celery_outbox.ordering.task:OrderedTask"
+    #: Celery's remote control, whose ``revoke()`` first deletes a task's outbox row
+    #: (:mod:`celery_outbox.revoke`).
+    control_cls = "celery_outbox.revoke:OutboxControl"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

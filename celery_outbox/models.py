@@ -149,7 +149,7 @@ class HistoryEvent(models.Model):
 
     Written by the store in the statements that settle a batch (one INSERT for many
     messages): ``published``, ``retrying`` (the broker refused an attempt),
-    ``blocked``, ``dead`` and ``replayed``. ``enqueued_at`` is the row's
+    ``blocked``, ``dead``, ``replayed`` and ``revoked``. ``enqueued_at`` is the row's
     ``created_at`` when the event was written, so no write is added to the enqueue.
     Kept for ``CELERY_OUTBOX_HISTORY_RETENTION``; found by task id.
     """

@@ -25,6 +25,8 @@ BLOCKED = "blocked"
 DEAD = "dead"
 #: Confirmed by the broker and gone from the outbox (known from the history only).
 PUBLISHED = "published"
+#: Revoked (``revoke()``) before it was published: its row was deleted (history only).
+REVOKED = "revoked"
 
 
 def row_state(

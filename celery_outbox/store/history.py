@@ -6,8 +6,9 @@ per batch, read from the rows the settlement is about to change, in its transact
 Nothing is written at enqueue: an event carries its row's ``created_at`` as
 ``enqueued_at``. Events: ``published`` (also a strict head left running),
 ``retrying`` (the broker refused an attempt; with its reason), ``blocked``, ``dead``
-(with the reason) and ``replayed`` (with the dead letter's last reason). A broker
-outage uses no attempt and writes no event.
+(with the reason), ``replayed`` (with the dead letter's last reason) and ``revoked``
+(``revoke()`` deleted the row before it was published). A broker outage uses no
+attempt and writes no event.
 
 The retention purge deletes in id order: ids grow with time, so the old events are
 the first ones, and no index on ``at`` has to be kept up to date by every settlement.

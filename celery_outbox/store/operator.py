@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.db import models, transaction
 
-from ..states import DEAD
+from ..states import DEAD, REVOKED
 from .dialects import (
     DEAD_TABLE,
     INSERT_COLUMNS,
@@ -211,6 +211,41 @@ class OperatorQueries(HistoryLog):
             )
             moved.extend(free)
         return moved
+
+    def revoke(self, task_ids: Sequence[str]) -> list[str]:
+        """Delete the outbox rows of these tasks, in the caller's transaction.
+
+        Rows a relay holds right now are left to it: the relay is publishing them,
+        and the revoke broadcast stops them at the workers. With history on, each
+        deleted row leaves a ``revoked`` event. Returns the task ids whose rows
+        were deleted.
+        """
+        wanted = list(dict.fromkeys(str(task_id) for task_id in task_ids))
+        if not wanted:
+            return []
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            cursor.execute(
+                f"SELECT id, task_id FROM {MESSAGE_TABLE} "
+                f"WHERE task_id IN ({placeholders(wanted)}) "
+                f"AND (lease_token IS NULL OR available_at <= {self.dialect.now()}) "
+                f"ORDER BY id{self._for_update()}",
+                wanted,
+            )
+            # Exactly these ids: MySQL's collation would match another case too.
+            exact = set(wanted)
+            found = [(int(i), str(t)) for i, t in cursor.fetchall() if str(t) in exact]
+            ids = [row_id for row_id, _ in found]
+            if ids:
+                self.record_outbox(cursor, REVOKED, ids)
+                cursor.execute(
+                    f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})",
+                    ids,
+                )
+        return list(dict.fromkeys(task_id for _, task_id in found))
 
     def replay_dead_letters(
         self,

@@ -1,10 +1,12 @@
-"""End to end: scheduled tasks, with a real relay and workers.
+"""End to end: scheduled tasks and revoke before publish, with a real relay and workers.
 
 * On Redis with a ``visibility_timeout`` shorter than the countdowns and two workers,
   tasks scheduled in the outbox each run once, on time; the same calls sent by stock
   Celery wait in the workers unacknowledged, are restored by kombu and run twice or
   more.
 * A worker's ``retry(countdown=)`` beyond the threshold waits in the outbox too.
+* Revoked tasks (inside the caller's transaction, after it, through
+  ``app.control``) never run; the others run once.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from django.db import transaction
 
 from celery_outbox.models import OutboxMessage
 from tests.e2e.conftest import BROKER_AMQP, BROKER_REDIS, Stack, alias_for, wait_until
-from tests.project.shop.models import TaskRun
-from tests.project.shop.tasks import at_eta, retry_later
+from tests.project.celery_app import app
+from tests.project.shop.models import Order, TaskRun
+from tests.project.shop.tasks import at_eta, record, retry_later
 
 pytestmark = [
     pytest.mark.e2e,
@@ -146,3 +149,48 @@ def test_a_workers_retry_with_a_far_countdown_waits_in_the_outbox(
     assert runs(tag) == Counter({f"{tag}-attempt-0": 1, f"{tag}-attempt-1": 1, tag: 1})
     (late,) = lateness(tag=tag)
     assert -0.5 <= late <= 2.0
+
+
+def test_revoked_tasks_never_run_and_the_others_run_once(
+    e2e: E2EFactory, scheduling: None
+) -> None:
+    stack = e2e("postgresql", BROKER_AMQP)
+    stack.env.update(OUTBOX_TEST_SCHEDULE_AFTER=str(SCHEDULE_AFTER))
+    prefix = f"revoke-{uuid.uuid4().hex[:8]}"
+
+    def send(name: str, **options: Any) -> str:
+        with transaction.atomic():
+            return str(record.apply_async((f"{prefix}-{name}",), **options).id)
+
+    # Before any relay runs: tasks due at once, still in the outbox.
+    in_transaction = send("in-transaction")
+    after = send("after")
+    by_control = send("by-control")
+    kept = send("kept")
+    # Scheduled ones, revoked while a relay runs.
+    later_revoked = send("later-revoked", countdown=COUNTDOWN)
+    later_kept = send("later-kept", countdown=COUNTDOWN)
+
+    with transaction.atomic():
+        Order.objects.create(number=prefix)
+        app.AsyncResult(in_transaction).revoke()
+    app.AsyncResult(after).revoke()
+    app.control.revoke(by_control)
+
+    stack.start_relay()
+    stack.start_worker(pool="threads", concurrency=4)
+    app.control.revoke(later_revoked)
+
+    expected = {f"{prefix}-kept", f"{prefix}-later-kept"}
+    wait_until(
+        lambda: expected <= set(runs(prefix)),
+        COUNTDOWN + 30,
+        "the kept tasks to run",
+        lambda: f"ran: {sorted(runs(prefix))}",
+    )
+    time.sleep(GRACE)
+    stack.assert_alive()
+    assert runs(prefix) == Counter(dict.fromkeys(expected, 1))
+    assert not OutboxMessage.objects.filter(
+        task_id__in=[in_transaction, after, by_control, later_revoked, kept, later_kept]
+    ).exists()
