@@ -234,7 +234,8 @@ class CapturingProducer:
         self._last_member_at = time.monotonic()
         self._written = False
         #: Celery's monitoring events (task_send_sent_event) are not stored: a
-        #: "task-sent" event at call time would announce a publish that has not happened.
+        #: "task-sent" event at call time would announce a publish that has not
+        #: happened; the relay sends it once it has (relay/sent.py).
         self._event_exchange = event_exchange
         self.amqp = amqp
         self.zone = zone

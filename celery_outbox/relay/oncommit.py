@@ -105,13 +105,17 @@ class CommitPublisher:
         relay = relays.get(alias)
         if relay is None:
             from ..signals import send_relay_signals
+            from .sent import sent_event_listeners
 
             settings = get_settings()
             # One outage is enough to stop trying from request threads for a while.
             config = RelayConfig.from_settings(settings, breaker_threshold=1)
             publisher = build_publisher(self._app, settings)
             relay = Relay(
-                OutboxStore(alias), publisher, config, listeners=[send_relay_signals]
+                OutboxStore(alias),
+                publisher,
+                config,
+                listeners=[send_relay_signals, *sent_event_listeners(self._app)],
             )
             relays[alias] = relay
         return relay
