@@ -19,7 +19,7 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from .durations import parse_duration
+from .durations import is_seconds, parse_duration
 from .exceptions import OutboxConfigurationError
 
 PREFIX = "CELERY_OUTBOX_"
@@ -243,11 +243,7 @@ def _retention(name: str, value: Any) -> float | None:
 def _schedule_after(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 <= value < math.inf
-    ):
+    if not is_seconds(value):
         raise OutboxConfigurationError(
             f"{PREFIX}{name} must be None (publish every task at once) or a number of "
             f"seconds >= 0 (e.g. 60), got {value!r}."

@@ -13,7 +13,6 @@ import dataclasses
 import enum
 import fnmatch
 import logging
-import math
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from kombu.serialization import dumps
 from .broker.amqpcodec import amqp_problem
 from .conf import OutboxSettings, OutsideTransaction, get_settings
 from .contrib.logcontext import capture_log_context
+from .durations import is_seconds
 from .envelope import Envelope, JsonObject, dump_json
 from .exceptions import (
     OutboxConfigurationError,
@@ -393,11 +393,7 @@ def dedup_options(
             f"members share one result). Send the task on its own. Nothing was written."
         )
     seconds = 0.0 if window is None else window
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, (int, float))
-        or not 0 <= seconds < math.inf
-    ):
+    if not is_seconds(seconds):
         raise OutboxValueError(
             f"{where}: dedup_window must be a number of seconds >= 0, got {window!r}. "
             f"Nothing was written."

@@ -21,9 +21,9 @@ from django.db import transaction
 from django.test import override_settings
 from kombu import Connection, Queue
 
-from celery_outbox.models import OutboxMessage
 from celery_outbox.outcomes import Settlement
 from celery_outbox.store import OutboxStore
+from celery_outbox.testing import OutboxFixture
 from tests.project.celery_app import app
 from tests.project.shop.tasks import record
 
@@ -40,11 +40,7 @@ def on_alias(alias: str) -> Iterator[str]:
 
 
 def waiting(alias: str) -> list[str]:
-    return list(
-        OutboxMessage.objects.using(alias)
-        .order_by("id")
-        .values_list("task_id", flat=True)
-    )
+    return [message.task_id for message in OutboxFixture(alias=alias).messages]
 
 
 def committed(alias: str, *tags: str, **options: object) -> list[str]:
