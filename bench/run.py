@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -44,6 +45,13 @@ TARGET_P99_MS = 50.0
 #: short, so a slow spell of the machine (a checkpoint, a busy neighbour VM) falls on
 #: all of them alike instead of on whichever ran a long block at that moment.
 ENQUEUE_ROUND = 100
+
+
+#: Parts in modules of their own, registered here by name (one line each): the
+#: function, ``(quick, repeats) -> table``, measures and renders its own table.
+PARTS = {
+    "scheduled": "bench.scheduled:bench_scheduled",
+}
 
 
 class BenchError(RuntimeError):
@@ -108,6 +116,8 @@ class Report:
     strict: str = ""
     #: The handler latency part's table (bench.handlers_latency), rendered there.
     handlers: str = ""
+    #: The tables of the parts in :data:`PARTS`, by name.
+    tables: dict[str, str] = field(default_factory=dict)
     sizes: Sizes | None = None
 
 
@@ -1094,7 +1104,7 @@ def render(report: Report, only: str | None) -> str:
     if report.keyed:
         add("")
         add(report.keyed)
-    for table in (report.strict, report.handlers):
+    for table in (report.strict, report.handlers, *report.tables.values()):
         if table:
             add("")
             add(table)
@@ -1132,6 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
             "handlers",
             "library",
             "profile",
+            *PARTS,
         ],
         help=(
             "run one part (library: the drain with and without the relay's own "
@@ -1164,6 +1175,7 @@ def main(argv: list[str] | None = None) -> int:
             "keyed",
             "strict",
             "handlers",
+            *PARTS,
         ]
         if args.only is None
         else [args.only]
@@ -1210,6 +1222,10 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.handlers_latency import bench_handlers  # imports this module
 
                 report.handlers = bench_handlers(args.quick, args.repeats)
+            elif part in PARTS:
+                module, name = PARTS[part].split(":")
+                function = getattr(importlib.import_module(module), name)
+                report.tables[part] = function(args.quick, args.repeats)
             elif part == "profile":
                 for kind in ("amqp", "redis"):
                     print(profile_drain(kind, envelopes, brokers), flush=True)
