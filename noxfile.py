@@ -59,6 +59,9 @@ CONTRACT_TESTS = (
     "tests/unit/test_redis_check.py",
     "tests/integration/test_redis_publisher.py",
 )
+#: Celery lines whose own integration suite ``nox -s celery_suite`` runs, stock and
+#: through OutboxCelery (tests/celery_suite; not part of ``make test``).
+CELERY_SUITE = ("5.7", "5.6")
 #: ``make matrix`` runs the newest session alone (its fault tests stop RabbitMQ), then the
 #: others in this many parallel streams (tags ``stream-1`` ...; the Makefile names them).
 STREAMS = 2
@@ -148,3 +151,23 @@ def tests(session: nox.Session, django: str, celery: str) -> None:
     paths = () if row == NEWEST else CONTRACT_TESTS
     # pytest reads pyproject.toml: filterwarnings = error holds in every session.
     session.run("python", "-m", "pytest", *paths, *session.posargs)
+
+
+@nox.session(name="celery_suite", python=NEWEST[0], default=False)
+@nox.parametrize("celery", CELERY_SUITE)
+def celery_suite(session: nox.Session, celery: str) -> None:
+    """Celery's t/integration/test_tasks.py and test_canvas.py from its sdist, run
+    stock and through OutboxCelery with a relay (RabbitMQ, Redis, PostgreSQL)."""
+    session.install(
+        "-e",
+        ".[postgres,redis]",
+        f"celery=={celery}.*",
+        # What Celery's integration suite needs, and pip to fetch its sdist.
+        "pytest",
+        "pytest-timeout",
+        "pytest-rerunfailures",
+        "pydantic",
+        "pip",
+    )
+    session.run("python", "-c", SHOW, *SHOWN)
+    session.run("python", "-m", "tests.celery_suite.run", *session.posargs)

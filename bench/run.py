@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -44,6 +45,13 @@ TARGET_P99_MS = 50.0
 #: short, so a slow spell of the machine (a checkpoint, a busy neighbour VM) falls on
 #: all of them alike instead of on whichever ran a long block at that moment.
 ENQUEUE_ROUND = 100
+
+
+#: Parts in modules of their own, registered here by name (one line each): the
+#: function, ``(quick, repeats) -> table``, measures and renders its own table.
+PARTS = {
+    "scheduled": "bench.scheduled:bench_scheduled",
+}
 
 
 class BenchError(RuntimeError):
@@ -108,6 +116,8 @@ class Report:
     strict: str = ""
     #: The handler latency part's table (bench.handlers_latency), rendered there.
     handlers: str = ""
+    #: The tables of the parts in :data:`PARTS`, by name.
+    tables: dict[str, str] = field(default_factory=dict)
     sizes: Sizes | None = None
 
 
@@ -1139,7 +1149,7 @@ def render(report: Report, only: str | None) -> str:
     if report.keyed:
         add("")
         add(report.keyed)
-    for table in (report.strict, report.handlers):
+    for table in (report.strict, report.handlers, *report.tables.values()):
         if table:
             add("")
             add(table)
@@ -1178,6 +1188,7 @@ def main(argv: list[str] | None = None) -> int:
             "library",
             "profile",
             "soak",
+            *PARTS,
         ],
         help=(
             "run one part (library: the drain with and without the relay's own "
@@ -1211,6 +1222,7 @@ def main(argv: list[str] | None = None) -> int:
             "keyed",
             "strict",
             "handlers",
+            *PARTS,
         ]
         if args.only is None
         else [args.only]
@@ -1261,6 +1273,10 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.soak import run_soak  # a process and a database of its own
 
                 run_soak(args.quick)
+            elif part in PARTS:
+                module, name = PARTS[part].split(":")
+                function = getattr(importlib.import_module(module), name)
+                report.tables[part] = function(args.quick, args.repeats)
             elif part == "profile":
                 for kind in ("amqp", "redis"):
                     print(profile_drain(kind, envelopes, brokers), flush=True)

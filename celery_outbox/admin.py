@@ -65,6 +65,7 @@ class StateFilter(admin.SimpleListFilter):
         return [
             ("due", "due"),
             ("in_flight", "in_flight"),
+            ("scheduled", "scheduled"),
             ("retrying", "retrying"),
             ("deferred", "deferred"),
         ]
@@ -80,6 +81,13 @@ class StateFilter(admin.SimpleListFilter):
                 "QuerySet[Any]",
                 queryset.filter(lease_token__isnull=False, available_at__gt=now),
             )
+        if value == "scheduled":
+            return cast(
+                "QuerySet[Any]",
+                queryset.filter(
+                    lease_token__isnull=True, available_at__gt=now, due_at__gt=now
+                ),
+            )
         if value == "retrying":
             return cast(
                 "QuerySet[Any]",
@@ -92,7 +100,7 @@ class StateFilter(admin.SimpleListFilter):
                 "QuerySet[Any]",
                 queryset.filter(
                     lease_token__isnull=True, attempts=0, available_at__gt=now
-                ),
+                ).exclude(due_at__gt=now),
             )
         return queryset
 
@@ -236,6 +244,7 @@ class OutboxMessageAdmin(
         *_MESSAGE_FIELDS,
         "current_state",
         "available_at",
+        "due_at",
         "lease_token",
         "content_type",
         "content_encoding",
@@ -250,13 +259,13 @@ class OutboxMessageAdmin(
     # list_display would show instead of this method.
     @admin.display(description="state")
     def current_state(self, obj: OutboxMessage) -> str:
-        """due, in_flight, retrying, deferred, or an ordered key's running / blocked."""
+        """due, in_flight, scheduled, retrying, deferred, or an ordered key's running / blocked."""
         if obj.state in ("running", "blocked"):
             return str(
                 obj.state
             )  # a strict head a worker runs; a head that blocks its key
         return message_state(
-            obj.lease_token, obj.available_at, obj.attempts, timezone.now()
+            obj.lease_token, obj.available_at, obj.attempts, timezone.now(), obj.due_at
         )
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
@@ -271,6 +280,7 @@ class OutboxMessageAdmin(
         context = {
             "outbox_summary": summary,
             "outbox_oldest": format_age(summary.oldest_pending_seconds),
+            "outbox_next_due": format_age(summary.next_due_seconds),
             "outbox_backlog": [
                 (group, format_age(group.oldest_seconds)) for group in summary.backlog
             ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import threading
 import weakref
@@ -20,10 +21,12 @@ from .enqueue import (
     Enqueuer,
     Route,
     choose_route,
+    is_excluded,
     outbox_alias,
 )
 from .exceptions import OutboxConfigurationError
 from .ordering.worker import install as install_ordering_reports
+from .scheduling import far_eta
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
 
@@ -41,6 +44,9 @@ class OutboxCelery(Celery):
     #: the ordering defaults (``@app.task(ordering="strict")``); no-ops for tasks
     #: that do not use them. A ``task_cls=`` argument still wins.
     task_cls = "celery_outbox.ordering.task:OrderedTask"
+    #: Celery's remote control, whose ``revoke()`` first deletes a task's outbox row
+    #: (:mod:`celery_outbox.revoke`).
+    control_cls = "celery_outbox.revoke:OutboxControl"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,6 +65,11 @@ class OutboxCelery(Celery):
         given = options.get("producer")
         running = self.current_worker_task
         if self._route(name, options.get("task_id"), settings, running) is Route.DIRECT:
+            if self._schedules(name, options, settings):
+                # Celery would publish it at once, to wait in a worker: it waits in
+                # the outbox instead, written on its own (no transaction to join).
+                options["producer"] = self._thread_producer(guarded=False)
+                return super().send_task(name, *args, **options)
             if given is None or isinstance(given, CapturingProducer):
                 # Our producer_or_acquire buffers into the outbox: take a real one.
                 with super().producer_or_acquire(None) as producer:
@@ -87,8 +98,11 @@ class OutboxCelery(Celery):
     ) -> Iterator[Any]:
         """Celery's canvas sends a group's members through one producer: buffer them.
 
-        Every member that goes through the outbox is collected and written in one
-        INSERT when the group is complete, still inside the caller's transaction.
+        Inside the caller's transaction, every member that goes through the outbox
+        is collected and written in one INSERT when the group is complete. Outside
+        one, the first member is written at once, as Celery would publish it, and
+        the others together, or as they come when the group is built slowly (a
+        generator: Celery publishes each member as it is yielded).
         """
         if producer is not None:
             yield producer
@@ -132,24 +146,27 @@ class OutboxCelery(Celery):
             self._outbox_commit_publisher = CommitPublisher(self)
         self._outbox_commit_publisher.schedule(alias, task_ids)
 
-    def _thread_producer(self) -> CapturingProducer:
+    def _thread_producer(self, *, guarded: bool = True) -> CapturingProducer:
+        attribute = "producer" if guarded else "unguarded_producer"
         producer: CapturingProducer | None = getattr(
-            self._outbox_local, "producer", None
+            self._outbox_local, attribute, None
         )
         if producer is None:
-            producer = self._outbox_local.producer = self._capturing_producer(
-                buffered=False
-            )
+            producer = self._capturing_producer(buffered=False, guarded=guarded)
+            setattr(self._outbox_local, attribute, producer)
         return producer
 
-    def _capturing_producer(self, *, buffered: bool) -> CapturingProducer:
+    def _capturing_producer(
+        self, *, buffered: bool, guarded: bool = True
+    ) -> CapturingProducer:
         conf = self.conf
         connection = self.connection_for_write()
+        write = self._outbox_enqueuer.write
         return CapturingProducer(
             connection=connection,
             default_serializer=conf.task_serializer,
             default_compression=conf.task_compression,
-            sink=self._outbox_enqueuer.write,
+            sink=write if guarded else functools.partial(write, guarded=False),
             buffered=buffered,
             event_exchange=conf.event_exchange,
             # A group's producer asks the thread's: a kombu transport per group is
@@ -157,6 +174,23 @@ class OutboxCelery(Celery):
             amqp=self._thread_producer().amqp
             if buffered
             else _publishes_with_amqp(connection),
+            zone=self.timezone,
+            autocommit=self._outbox_enqueuer.autocommit if buffered else None,
+        )
+
+    def _schedules(
+        self, name: str, options: dict[str, Any], settings: OutboxSettings
+    ) -> bool:
+        """Whether a call routed to the broker is scheduled in the outbox instead.
+
+        A far ETA (:func:`~.scheduling.far_eta`) from a worker, unless the task is
+        excluded, or the outbox alias is inside ``atomic()``: ``Task.retry`` raises
+        through the block, which would roll the row back.
+        """
+        return (
+            far_eta(options, settings.schedule_after, zone=self.timezone)
+            and not is_excluded(name, settings.exclude_tasks)
+            and not connections[outbox_alias(settings)].in_atomic_block
         )
 
     def _route(

@@ -19,7 +19,7 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from .durations import parse_duration
+from .durations import is_seconds, parse_duration
 from .exceptions import OutboxConfigurationError
 
 PREFIX = "CELERY_OUTBOX_"
@@ -99,6 +99,10 @@ class OutboxSettings:
     #: Where a failed handler's retries wait: ``"broker"`` (TTL queues, RabbitMQ),
     #: ``"database"`` (delayed outbox rows) or ``"auto"`` (broker on RabbitMQ, else database).
     events_retries: str = "auto"
+    #: A task whose ETA (``countdown``, ``eta``) is more than this many seconds away
+    #: stays in the outbox, scheduled, and is published when it falls due; None
+    #: publishes every task at once, as Celery does (see docs/scheduling.md).
+    schedule_after: float | None = 60.0
 
 
 _FIELDS = {
@@ -140,6 +144,7 @@ _FIELDS = {
     "EVENTS_ARCHIVE_MAX_LENGTH": "events_archive_max_length",
     "EVENTS_QUEUE_TYPE": "events_queue_type",
     "EVENTS_RETRIES": "events_retries",
+    "SCHEDULE_AFTER": "schedule_after",
 }
 
 #: The values of the string settings that take one of a few choices.
@@ -235,6 +240,17 @@ def _retention(name: str, value: Any) -> float | None:
         raise OutboxConfigurationError(f"{PREFIX}{name}: {exc}.") from None
 
 
+def _schedule_after(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if not is_seconds(value):
+        raise OutboxConfigurationError(
+            f"{PREFIX}{name} must be None (publish every task at once) or a number of "
+            f"seconds >= 0 (e.g. 60), got {value!r}."
+        )
+    return float(value)
+
+
 def _key_names(name: str, value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -267,6 +283,8 @@ def _validated(field: str, value: Any) -> Any:
             ) from None
     if field == "dead_letter_retention":
         return _retention(name, value)
+    if field == "schedule_after":
+        return _schedule_after(name, value)
     if field in _CHOICES:
         if value not in _CHOICES[field]:
             choices = ", ".join(repr(choice) for choice in _CHOICES[field])

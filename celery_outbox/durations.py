@@ -12,6 +12,15 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _DATE_LIKE = re.compile(r"^\s*\d{8,}\s*$")
 
 
+def is_seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds >= 0 (a finite int or float, no bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and 0 <= value < math.inf
+    )
+
+
 def parse_duration(value: str | float) -> float:
     """Seconds in ``value``: a positive number of seconds or ``<number><s|m|h|d|w>``.
 

@@ -13,10 +13,11 @@ import dataclasses
 import enum
 import fnmatch
 import logging
-import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timezone, tzinfo
 from typing import Any
 
 from django.apps import apps
@@ -30,6 +31,7 @@ from kombu.serialization import dumps
 from .broker.amqpcodec import amqp_problem
 from .conf import OutboxSettings, OutsideTransaction, get_settings
 from .contrib.logcontext import capture_log_context
+from .durations import is_seconds
 from .envelope import Envelope, JsonObject, dump_json
 from .exceptions import (
     OutboxConfigurationError,
@@ -40,6 +42,7 @@ from .exceptions import (
 from .ordering.options import HEADER as ORDERING_HEADER
 from .ordering.options import OPTION_NAMES, pop_options
 from .queues import cached_queue_spec
+from .scheduling import schedule
 from .signals import send_created
 from .store.dedup import DedupKeys
 from .store.roles import outbox_alias as outbox_alias  # where it lived before
@@ -198,8 +201,18 @@ class CapturingProducer:
         buffered: bool = False,
         event_exchange: str | None = None,
         amqp: bool = False,
+        zone: tzinfo = timezone.utc,
+        autocommit: Callable[[], bool] | None = None,
     ) -> None:
-        """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused."""
+        """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused.
+
+        ``zone`` is the app's timezone, in which a naive ``eta`` is read (as the worker
+        reads it) to tell whether the task is scheduled (:mod:`.scheduling`).
+        ``autocommit`` tells a buffered producer whether its writes commit at once
+        (the outbox alias is not inside ``atomic()``): it then writes a group's first
+        member at once, as Celery would publish it, and later ones when the builder
+        pauses (a generator), instead of all of them at the end.
+        """
         #: Celery wraps the publish in ``connection._reraise_as_library_errors()``;
         #: the connection is never opened by the enqueue path.
         self.connection = connection
@@ -210,10 +223,15 @@ class CapturingProducer:
         self._sink = sink
         self._buffered = buffered
         self._pending: list[Envelope] = []
+        self._autocommit = autocommit
+        self._last_member_at = time.monotonic()
+        self._written = False
         #: Celery's monitoring events (task_send_sent_event) are not stored: a
-        #: "task-sent" event at call time would announce a publish that has not happened.
+        #: "task-sent" event at call time would announce a publish that has not
+        #: happened; the relay sends it once it has (relay/sent.py).
         self._event_exchange = event_exchange
         self.amqp = amqp
+        self.zone = zone
         #: Task ids whose ``dedup_key`` another task held, with that task's id
         #: (taken back by :meth:`take_holder`).
         self._refused: dict[str, str] = {}
@@ -226,6 +244,7 @@ class CapturingProducer:
         """Write what a buffered producer collected, in one INSERT."""
         pending, self._pending = self._pending, []
         if pending:
+            self._written = True
             self._sink(pending)
 
     def discard(self) -> None:
@@ -235,8 +254,19 @@ class CapturingProducer:
     def _emit(self, envelope: Envelope) -> None:
         if self._buffered:
             self._pending.append(envelope)
+            now = time.monotonic()
+            paused = now - self._last_member_at >= GROUP_PAUSE_SECONDS
+            self._last_member_at = now
+            if (not self._written or paused) and self._autocommit_now():
+                # Outside a transaction a header built slowly (from a generator) is
+                # written as it is built: its first members run meanwhile, as with
+                # Celery. Inside one, nothing is seen before the commit anyway.
+                self.flush()
         else:
             self._refused.update(self._sink([envelope]))
+
+    def _autocommit_now(self) -> bool:
+        return self._autocommit is not None and self._autocommit()
 
     @property
     def channel(self) -> Any:
@@ -322,6 +352,10 @@ class CapturingProducer:
             ordering_key=ordering.key,
             log_context=capture_log_context(get_settings()),
         )
+        if headers.get("eta") is not None:  # all a task without an ETA pays
+            envelope = schedule(
+                envelope, headers, after=get_settings().schedule_after, zone=self.zone
+            )
         if dedup_key is not None or dedup_window is not None:
             envelope = dataclasses.replace(
                 envelope,
@@ -352,11 +386,7 @@ def dedup_options(
             f"members share one result). Send the task on its own. Nothing was written."
         )
     seconds = 0.0 if window is None else window
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, (int, float))
-        or not 0 <= seconds < math.inf
-    ):
+    if not is_seconds(seconds):
         raise OutboxValueError(
             f"{where}: dedup_window must be a number of seconds >= 0, got {window!r}. "
             f"Nothing was written."
@@ -372,6 +402,10 @@ def refuse_for_amqp(task_name: str, problem: str | None) -> None:
             f"never receive it. Change that value. Nothing was written."
         )
 
+
+#: Outside a transaction, a group member that comes this long after the one before
+#: it (the group is built by a slow generator) is written at once, with those before.
+GROUP_PAUSE_SECONDS = 0.1
 
 #: Present in ``sys.modules`` once the application uses OpenTelemetry.
 OTEL_TRACE_MODULE = "opentelemetry.trace"
@@ -506,11 +540,18 @@ class Enqueuer:
         self._on_commit = on_commit
         self._installed = False
 
-    def write(self, envelopes: Sequence[Envelope]) -> Mapping[str, str]:
+    def autocommit(self) -> bool:
+        """Whether a write now commits on its own (the outbox alias is not in ``atomic()``)."""
+        return not connections[outbox_alias(get_settings())].in_atomic_block
+
+    def write(
+        self, envelopes: Sequence[Envelope], *, guarded: bool = True
+    ) -> Mapping[str, str]:
         """Insert messages on the outbox alias, in the caller's transaction, in one INSERT.
 
         Returns ``{task_id: holder}`` for the messages not written because another
-        task holds their ``dedup_key``.
+        task holds their ``dedup_key``. Without ``guarded`` no transaction is asked
+        for: a worker's scheduled retry, which Celery would have sent at once.
         """
         if not self._installed:
             self._installed = require_installed()
@@ -521,7 +562,7 @@ class Enqueuer:
             if len(envelopes) == 1
             else dict.fromkeys(e.task_name for e in envelopes)
         )
-        for name in names:
+        for name in names if guarded else ():
             self.guard.check(alias, name, settings.outside_transaction)
         refused: Mapping[str, str] = {}
         if any(envelope.dedup_key is not None for envelope in envelopes):

@@ -59,6 +59,12 @@ class Envelope:
     dedup_window: float = 0.0
     #: Log context variables (structlog) captured at enqueue; stored, never sent.
     log_context: Mapping[str, Any] = field(default_factory=_no_log_context)
+    #: A scheduled task's seconds from the enqueue to its ETA (:mod:`.scheduling`):
+    #: its row is due then. None: due at once.
+    due_in: float | None = None
+    #: Set when the message is written straight to the dead letters, with this reason
+    #: (a scheduled task that expires before its ETA); never sent.
+    dead_reason: str = ""
 
     @property
     def priority(self) -> int | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.core.management.base import CommandError
 
-from .states import DEAD, PUBLISHED
+from .states import DEAD, PUBLISHED, REVOKED, SCHEDULED
 from .store.history import HistoryEntry, MessageTrace
 
 FORMATS = ("text", "json")
@@ -39,16 +39,15 @@ class InspectRequest:
 
 
 def message_state(trace: MessageTrace) -> str | None:
-    """The message's state: its newest outbox row's, else dead or published; None: unknown."""
+    """The message's state: its newest outbox row's, else dead, published or revoked
+    (whichever happened last); None: unknown."""
     if trace.rows:
         return trace.rows[-1].state
-    dead_at = max((d.dead_at for d in trace.dead), default=None)
-    published = _last(trace, PUBLISHED)
-    if dead_at is not None and (published is None or dead_at >= published.at):
-        return DEAD
-    if published is not None:
-        return PUBLISHED
-    return None
+    ends = [(d.dead_at, DEAD) for d in trace.dead]
+    ends += [(e.at, e.event) for e in trace.events if e.event in (PUBLISHED, REVOKED)]
+    if not ends:
+        return None
+    return max(ends, key=lambda end: end[0])[1]
 
 
 def enqueued_at(trace: MessageTrace) -> datetime | None:
@@ -127,6 +126,8 @@ def _where(trace: MessageTrace, state: str) -> list[str]:
             ]
         elif state == "due":
             lines.append(_field("due since", _moment(row.available_at)))
+        elif state == SCHEDULED:
+            lines.append(_field("due at", f"{_moment(row.due_at)} (its ETA)"))
         elif state in ("retrying", "deferred"):
             lines.append(_field("next try", _moment(row.available_at)))
         elif state == "running":
@@ -144,6 +145,13 @@ def _where(trace: MessageTrace, state: str) -> list[str]:
             _field("dead at", _moment(dead.dead_at)),
             _field("attempts", dead.attempts),
             _field("reason", dead.last_error),
+        ]
+    if state == REVOKED:
+        revoked = _last(trace, REVOKED)
+        assert revoked is not None  # message_state said so
+        return [
+            _field("revoked", f"{_moment(revoked.at)}, before it was published"),
+            _field("by", _relay(revoked)),
         ]
     published = _last(trace, PUBLISHED)
     assert published is not None  # message_state said so
@@ -221,6 +229,7 @@ def _as_dict(trace: MessageTrace, state: str) -> dict[str, Any]:
                 "available_at": r.available_at,
                 "holder": r.holder,
                 "holder_name": r.holder_name or None,
+                "due_at": r.due_at,
             }
             for r in trace.rows
         ],

@@ -14,9 +14,12 @@ blocked_total                    counter    heads of ``block`` keys that failed 
 breaker_open                     gauge      1 while the relay pauses after outages
 batch_duration_seconds           histogram  claim to settled, per batch
 publish_seconds                  histogram  the broker part of a batch (confirms included)
-commit_to_publish_seconds        histogram  row written to broker confirmed, per message
+commit_to_publish_seconds        histogram  row written (a scheduled task: its ETA) to broker
+                                            confirmed, per message
 pending / due / dead             gauge      backlog, sampled every ``sample_every`` seconds
-oldest_pending_seconds           gauge      age of the oldest waiting row (sampled)
+scheduled                        gauge      rows held until their ETA (sampled)
+oldest_pending_seconds           gauge      age of the oldest waiting row (sampled;
+                                            a scheduled row counts from its ETA)
 ===============================  =========  ==============================================
 """
 
@@ -300,6 +303,7 @@ class RelayMetrics:
         self.sink.gauge("pending", stats.pending)
         self.sink.gauge("due", stats.due)
         self.sink.gauge("dead", stats.dead)
+        self.sink.gauge("scheduled", stats.scheduled)
         self.sink.gauge("oldest_pending_seconds", stats.oldest_pending_seconds or 0.0)
         return stats
 

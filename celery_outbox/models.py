@@ -72,6 +72,10 @@ class OutboxMessage(MessageFields):
     #: head waits for its worker, ``blocked`` while a failed head waits for an
     #: operator. NULL otherwise, so that the enqueue path never writes it.
     state = models.CharField(max_length=8, null=True, blank=True)
+    #: Scheduled tasks only (an ETA beyond ``CELERY_OUTBOX_SCHEDULE_AFTER``): when the
+    #: task falls due, on the database clock. Ages count from it (a scheduled task is
+    #: not late while it waits). NULL otherwise: other rows never write it.
+    due_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "celery_outbox_message"
@@ -145,7 +149,7 @@ class HistoryEvent(models.Model):
 
     Written by the store in the statements that settle a batch (one INSERT for many
     messages): ``published``, ``retrying`` (the broker refused an attempt),
-    ``blocked``, ``dead`` and ``replayed``. ``enqueued_at`` is the row's
+    ``blocked``, ``dead``, ``replayed`` and ``revoked``. ``enqueued_at`` is the row's
     ``created_at`` when the event was written, so no write is added to the enqueue.
     Kept for ``CELERY_OUTBOX_HISTORY_RETENTION``; found by task id.
     """

@@ -79,6 +79,8 @@ def _stats_dict(summary: Summary, failures: TopFailures | None) -> dict[str, Any
         "dead": summary.dead,
         "oldest_pending_seconds": summary.oldest_pending_seconds,
         "retrying": summary.retrying,
+        "scheduled": summary.scheduled,
+        "next_due_seconds": summary.next_due_seconds,
         "backlog": [
             {
                 "task_name": group.task_name,
@@ -119,6 +121,12 @@ def _text(summary: Summary, failures: TopFailures | None) -> str:
         f"due       {summary.due}",
         f"retrying  {summary.retrying}",
         f"in_flight {summary.in_flight}",
+        f"scheduled {summary.scheduled}"
+        + (
+            f" (next due in {_seconds(summary.next_due_seconds)})"
+            if summary.next_due_seconds is not None
+            else ""
+        ),
         f"dead      {summary.dead}",
         f"oldest    {_seconds(summary.oldest_pending_seconds)}",
     ]
@@ -163,10 +171,20 @@ def _prometheus(summary: Summary, failures: TopFailures | None) -> str:
         [("", summary.retrying)],
     )
     gauge("in_flight", "Rows leased to a relay.", [("", summary.in_flight)])
+    gauge(
+        "scheduled",
+        "Rows held until their ETA (not late).",
+        [("", summary.scheduled)],
+    )
+    gauge(
+        "next_due_seconds",
+        "Seconds until the first scheduled row is due.",
+        [("", summary.next_due_seconds)],
+    )
     gauge("dead", "Dead letters.", [("", summary.dead)])
     gauge(
         "oldest_pending_seconds",
-        "Age of the oldest waiting row.",
+        "Age of the oldest waiting row (scheduled rows from their ETA).",
         [("", summary.oldest_pending_seconds)],
     )
     gauge(

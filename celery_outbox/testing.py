@@ -423,6 +423,7 @@ class OutboxFixture:
         *,
         broker: Literal["memory", "real"] = "memory",
         strict: bool = True,
+        scheduled: bool = True,
     ) -> list[Envelope]:
         """Publish every due row with the real relay loop; returns what was published.
 
@@ -431,8 +432,13 @@ class OutboxFixture:
         app's broker. With ``strict`` a message the publisher did not confirm fails
         the drain (:class:`OutboxDrainError`), naming it and the broker's reason;
         without, it stays in the outbox as the relay would leave it (retry,
-        dead letter, cool-down).
+        dead letter, cool-down). With ``scheduled`` (the default) tasks waiting in
+        the outbox for their ETA are made due first, as if it had come (their
+        message keeps its ``eta``); ``scheduled=False`` leaves them waiting, as a
+        relay would.
         """
+        if scheduled:
+            self._make_scheduled_due()
         owned = False
         if publisher is None:
             if broker == "real":
@@ -485,6 +491,14 @@ class OutboxFixture:
                 f"{listing}"
             )
         return recording.published
+
+    def _make_scheduled_due(self) -> None:
+        from .models import OutboxMessage
+
+        waiting = OutboxMessage.objects.using(self.alias).filter(due_at__isnull=False)
+        ids = list(waiting.values_list("id", flat=True))
+        if ids:
+            Stores(self.alias).operator().retry_now(ids)
 
     @staticmethod
     def _run(relay: Relay, errors: list[LoopError]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import os
 import random
 import time
@@ -364,9 +365,20 @@ class Relay:
         # while we published); every empty look doubles the wait, up to poll_interval.
         if cycle is Cycle.PARTIAL:
             self._idle_wait = self.config.min_poll_interval
-        wait = self._idle_wait
+        wait = min(self._idle_wait, self.config.poll_interval)
         self._idle_wait = min(self._idle_wait * 2, self.config.poll_interval)
-        return min(wait, self.config.poll_interval)
+        if cycle is Cycle.EMPTY and wait >= _ASK_DUE_AFTER:
+            # Scheduled rows: wake when the next one falls due, not at a later poll.
+            wait = min(wait, self._seconds_until_due())
+        return wait
+
+    def _seconds_until_due(self) -> float:
+        try:
+            due = self.store.seconds_until_due()
+        except OutboxDatabaseError as exc:
+            self._database_failed("seconds_until_due", exc)
+            return math.inf
+        return math.inf if due is None else due
 
     def _pause(self, seconds: float, *, woken_by_rows: bool) -> None:
         end = self.clock() + seconds
@@ -399,6 +411,10 @@ class Relay:
             os.utime(path)
         except OSError as exc:
             logger.warning("cannot touch liveness file %s: %s", path, exc)
+
+
+#: An idle relay about to wait at least this long asks when the next row falls due.
+_ASK_DUE_AFTER = 0.05
 
 
 class _BatchBudget:

@@ -22,6 +22,7 @@ from .listener import PgNotifyListener
 from .logs import FailureLog
 from .loop import Relay
 from .probe import broker_location, probe_broker, probe_database
+from .sent import sent_event_listeners
 from .waiter import Waiter
 
 
@@ -36,8 +37,9 @@ def build_relay(
 
     Probes the outbox database and the broker once and logs where they are
     (:mod:`.probe`). Listeners: logging (a rate-limited line per retry and dead
-    letter, :mod:`.logs`), Django signals, and metrics when StatsD is configured or a
-    Prometheus port is given (``/metrics`` served on that port). Tracing (Sentry,
+    letter, :mod:`.logs`), Django signals, Celery's ``task-sent`` event when the app
+    has ``task_send_sent_event`` on (:mod:`.sent`), and metrics when StatsD is
+    configured or a Prometheus port is given (``/metrics`` served on that port). Tracing (Sentry,
     OpenTelemetry) and the enqueue-time structlog context around the per-message lines
     are added when those libraries are set up in this process.
     """
@@ -48,8 +50,11 @@ def build_relay(
     # any other; a database that is down or lacks the tables stops the relay here.
     database = probe_database(store)
     broker = ""
+    sent_events: list[Listener] = []
     if publisher is None:
         app = resolve_app(settings)
+        # Celery's task-sent event, when the app asks for it (task_send_sent_event).
+        sent_events = sent_event_listeners(app)
         broker = broker_driver(app)
         where = broker_location(app)
         # Flags such as --send-timeout also bound connecting and socket reads.
@@ -65,7 +70,7 @@ def build_relay(
     wakeup = None
     if settings.notify and connections[stores.alias].vendor == "postgresql":
         wakeup = PgNotifyListener(stores.alias)
-    listeners: list[Listener] = [log_event, send_relay_signals]
+    listeners: list[Listener] = [log_event, send_relay_signals, *sent_events]
     listeners.extend(
         RelayMetrics(sink, stores.operator())
         for sink in configured_sinks(settings, metrics_port)

@@ -60,6 +60,10 @@ COLUMN_LIMITS = {
     "content_encoding": 64,
 }
 
+#: Since when a row has waited to be published: its ETA if it was scheduled
+#: (``due_at``), else its enqueue.
+WAITING_SINCE = "COALESCE(due_at, created_at)"
+
 #: What a claim returns for each row, in this order.
 CLAIM_COLUMNS = ("id", "attempts", *MESSAGE_COLUMNS)
 
@@ -139,8 +143,11 @@ class Dialect:
         return list(cursor.fetchall())
 
     def claim_columns(self) -> str:
-        """CLAIM_COLUMNS, then the row's age in seconds (for commit-to-publish latency)."""
-        return ", ".join(CLAIM_COLUMNS) + f", {self.age_seconds('created_at')}"
+        """CLAIM_COLUMNS, then the row's age in seconds (for commit-to-publish latency).
+
+        A scheduled task's age counts from its ETA (:data:`WAITING_SINCE`).
+        """
+        return ", ".join(CLAIM_COLUMNS) + f", {self.age_seconds(WAITING_SINCE)}"
 
     def _due_where(self, task_ids: Sequence[str]) -> str:
         """Due rows of the table aliased ``d``: unkeyed, or the head of their key.
@@ -164,6 +171,14 @@ class Dialect:
         return (
             f"SELECT 1 FROM {MESSAGE_TABLE} o WHERE o.ordering_key = d.ordering_key "
             f"AND o.id < d.id"
+        )
+
+    def next_due_sql(self) -> str:
+        """Seconds until the next row falls due, as the negative age of the first
+        ``available_at`` index entry after now (NULL when none); no parameters."""
+        return (
+            f"SELECT {self.age_seconds('MIN(available_at)')} FROM {MESSAGE_TABLE} "
+            f"WHERE available_at > {self.now()}"
         )
 
     def due_ids_sql(self) -> str:

@@ -6,8 +6,9 @@ per batch, read from the rows the settlement is about to change, in its transact
 Nothing is written at enqueue: an event carries its row's ``created_at`` as
 ``enqueued_at``. Events: ``published`` (also a strict head left running),
 ``retrying`` (the broker refused an attempt; with its reason), ``blocked``, ``dead``
-(with the reason) and ``replayed`` (with the dead letter's last reason). A broker
-outage uses no attempt and writes no event.
+(with the reason), ``replayed`` (with the dead letter's last reason) and ``revoked``
+(``revoke()`` deleted the row before it was published). A broker outage uses no
+attempt and writes no event.
 
 The retention purge deletes in id order: ids grow with time, so the old events are
 the first ones, and no index on ``at`` has to be kept up to date by every settlement.
@@ -73,6 +74,8 @@ class WaitingRow:
     #: its heartbeat row is there ("" once it is gone).
     holder: str | None
     holder_name: str
+    #: A scheduled task's ETA (None for other rows).
+    due_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -227,14 +230,14 @@ class HistoryLog(HistoryWriter):
         from ..models import DeadLetter, HistoryEvent, OutboxMessage, RelayHeartbeat
 
         alias = self.alias
-        due = RawSQL(
-            f"CASE WHEN available_at <= {self.dialect.now()} THEN 1 ELSE 0 END", []
-        )
+        now = self.dialect.now()
+        due = RawSQL(f"CASE WHEN available_at <= {now} THEN 1 ELSE 0 END", [])
+        ahead = RawSQL(f"CASE WHEN due_at > {now} THEN 1 ELSE 0 END", [])
         with self._translated():
             rows = list(
                 OutboxMessage.objects.using(alias)
                 .filter(task_id=task_id)
-                .annotate(is_due=due)
+                .annotate(is_due=due, is_ahead=ahead)
                 .order_by("id")
                 .values_list(
                     "id",
@@ -247,6 +250,8 @@ class HistoryLog(HistoryWriter):
                     "created_at",
                     "available_at",
                     "holder",
+                    "is_ahead",
+                    "due_at",
                 )
             )
             holders = {str(row[9]) for row in rows if row[9]}
@@ -289,6 +294,7 @@ class HistoryLog(HistoryWriter):
                     leased=bool(token),
                     attempts=attempts,
                     ordering_state=ordering_state,
+                    scheduled=bool(int(is_ahead)),
                 ),
                 attempts=attempts,
                 last_error=error,
@@ -296,6 +302,7 @@ class HistoryLog(HistoryWriter):
                 available_at=available,
                 holder=holder,
                 holder_name=names.get(holder, "") if holder else "",
+                due_at=due_at,
             )
             for (
                 row_id,
@@ -308,6 +315,8 @@ class HistoryLog(HistoryWriter):
                 created,
                 available,
                 holder,
+                is_ahead,
+                due_at,
             ) in rows
         )
         return MessageTrace(task_id, waiting, dead, events, self.history)

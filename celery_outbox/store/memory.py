@@ -40,6 +40,8 @@ class Row:
     last_error: str = ""
     #: The token of the last claim; cleared by a retry or a release.
     lease_token: str | None = None
+    #: A scheduled task's ETA (its age counts from it).
+    due_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,17 @@ class Tables:
         self._next_dead_id = 1
 
     def add_rows(self, envelopes: Iterable[Envelope], now: float) -> list[int]:
-        """New rows, due at ``now`` with no attempt used; their ids (lock held)."""
+        """New rows, due at ``now`` (a scheduled one at its ETA), no attempt used; their ids (lock held)."""
         ids = []
         for envelope in envelopes:
-            row = Row(self._next_id, envelope, created_at=now, available_at=now)
+            due = None if envelope.due_in is None else now + envelope.due_in
+            row = Row(
+                self._next_id,
+                envelope,
+                created_at=now,
+                available_at=now if due is None else due,
+                due_at=due,
+            )
             self.rows[row.id] = row
             self._next_id += 1
             ids.append(row.id)
@@ -164,7 +173,12 @@ class InMemoryStore:
                 self._rows[row.id] = row
         # Handed out in id order, as RelayQueries does.
         messages = tuple(
-            StoredMessage(row.id, row.attempts, row.envelope, now - row.created_at)
+            StoredMessage(
+                row.id,
+                row.attempts,
+                row.envelope,
+                now - (row.created_at if row.due_at is None else row.due_at),
+            )
             for row in sorted(leased, key=lambda row: row.id)
         )
         return Claim(token, messages)
@@ -180,6 +194,15 @@ class InMemoryStore:
             released = sum(self._requeue(token, d, now, 0) for d in settlement.release)
             dead = sum(self._bury(token, d, now) for d in settlement.dead_letter)
         return SettleReport(deleted, retried, dead, released)
+
+    def seconds_until_due(self) -> float | None:
+        """Seconds until the first row not yet due falls due; None when none waits."""
+        with self._lock:
+            now = self.clock()
+            later = [
+                r.available_at for r in self._rows.values() if r.available_at > now
+            ]
+        return min(later) - now if later else None
 
     def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:
         """Extend the lease of those of ``ids`` that ``token`` still holds."""

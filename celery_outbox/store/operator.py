@@ -16,12 +16,13 @@ from typing import Any
 from django.conf import settings
 from django.db import models, transaction
 
-from ..states import DEAD
+from ..states import DEAD, REVOKED
 from .dialects import (
     DEAD_TABLE,
     INSERT_COLUMNS,
     MESSAGE_COLUMNS,
     MESSAGE_TABLE,
+    WAITING_SINCE,
     placeholders,
 )
 from .history import HistoryWriter
@@ -66,47 +67,58 @@ class OperatorQueries(HistoryWriter):
         )
 
     def stats(self) -> Stats:
-        """Counts of pending, due, in-flight and dead rows, and the oldest row's age."""
+        """Counts of pending, due, in-flight, scheduled and dead rows; the oldest
+        waiting row's age and when the next scheduled row falls due.
+
+        A scheduled row is not late while it waits: it is left out of the oldest
+        age until its ETA, and counted from its ETA after that.
+        """
         dialect = self.dialect
         now = dialect.now()
+        scheduled = _scheduled(now)
+        waiting = f"CASE WHEN NOT ({scheduled}) THEN {WAITING_SINCE} END"
         with self._translated(), self.connection.cursor() as cursor:
             cursor.execute(
                 f"SELECT COUNT(*), "
                 f"COALESCE(SUM(CASE WHEN available_at <= {now} THEN 1 ELSE 0 END), 0), "
                 f"COALESCE(SUM(CASE WHEN lease_token IS NOT NULL AND available_at > {now} "
-                f"THEN 1 ELSE 0 END), 0) FROM {MESSAGE_TABLE}",
+                f"THEN 1 ELSE 0 END), 0), "
+                f"COALESCE(SUM(CASE WHEN {scheduled} THEN 1 ELSE 0 END), 0), "
+                f"{dialect.age_seconds(f'MIN({waiting})')}, "
+                f"{dialect.age_seconds(f'MIN(CASE WHEN {scheduled} THEN due_at END)')} "
+                f"FROM {MESSAGE_TABLE}",
                 [],
             )
-            pending, due, in_flight = cursor.fetchone()
+            pending, due, in_flight, waiting_eta, oldest, next_due = cursor.fetchone()
             cursor.execute(f"SELECT COUNT(*) FROM {DEAD_TABLE}", [])
             (dead,) = cursor.fetchone()
-            cursor.execute(
-                f"SELECT {dialect.age_seconds('created_at')} FROM {MESSAGE_TABLE} "
-                f"ORDER BY id LIMIT 1",
-                [],
-            )
-            oldest = cursor.fetchone()
-        age = (
-            None if oldest is None or oldest[0] is None else max(0.0, float(oldest[0]))
+        return Stats(
+            int(pending),
+            int(due),
+            int(in_flight),
+            int(dead),
+            None if oldest is None else max(0.0, float(oldest)),
+            scheduled=int(waiting_eta),
+            next_due_seconds=None if next_due is None else max(0.0, -float(next_due)),
         )
-        return Stats(int(pending), int(due), int(in_flight), int(dead), age)
 
     def summary(self, groups: int = 20) -> Summary:
         """Totals, the oldest age and the ``groups`` largest backlogs by task name and queue."""
         dialect = self.dialect
         now = dialect.now()
         stats = self.stats()
+        waiting = f"CASE WHEN NOT ({_scheduled(now)}) THEN {WAITING_SINCE} END"
         with self._translated(), self.connection.cursor() as cursor:
             cursor.execute(
                 f"SELECT COALESCE(SUM(CASE WHEN attempts > 0 AND lease_token IS NULL "
                 f"AND available_at > {now} THEN 1 ELSE 0 END), 0) FROM {MESSAGE_TABLE}",
                 [],
             )
-            (waiting,) = cursor.fetchone()
+            (retrying,) = cursor.fetchone()
             cursor.execute(
                 f"SELECT task_name, queue, COUNT(*), "
                 f"COALESCE(SUM(CASE WHEN available_at <= {now} THEN 1 ELSE 0 END), 0), "
-                f"{dialect.age_seconds('MIN(created_at)')} FROM {MESSAGE_TABLE} "
+                f"{dialect.age_seconds(f'MIN({waiting})')} FROM {MESSAGE_TABLE} "
                 f"GROUP BY task_name, queue ORDER BY COUNT(*) DESC, task_name, queue "
                 f"LIMIT %s",
                 [groups],
@@ -125,11 +137,13 @@ class OperatorQueries(HistoryWriter):
         return Summary(
             pending=stats.pending,
             due=stats.due,
-            retrying=int(waiting),
+            retrying=int(retrying),
             in_flight=stats.in_flight,
             dead=stats.dead,
             oldest_pending_seconds=stats.oldest_pending_seconds,
             backlog=backlog,
+            scheduled=stats.scheduled,
+            next_due_seconds=stats.next_due_seconds,
         )
 
     def top_failures(self, limit: int = 10) -> TopFailures:
@@ -195,6 +209,41 @@ class OperatorQueries(HistoryWriter):
             )
             moved.extend(free)
         return moved
+
+    def revoke(self, task_ids: Sequence[str]) -> list[str]:
+        """Delete the outbox rows of these tasks, in the caller's transaction.
+
+        Rows a relay holds right now are left to it: the relay is publishing them,
+        and the revoke broadcast stops them at the workers. With history on, each
+        deleted row leaves a ``revoked`` event. Returns the task ids whose rows
+        were deleted.
+        """
+        wanted = list(dict.fromkeys(str(task_id) for task_id in task_ids))
+        if not wanted:
+            return []
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            cursor.execute(
+                f"SELECT id, task_id FROM {MESSAGE_TABLE} "
+                f"WHERE task_id IN ({placeholders(wanted)}) "
+                f"AND (lease_token IS NULL OR available_at <= {self.dialect.now()}) "
+                f"ORDER BY id{self._for_update()}",
+                wanted,
+            )
+            # Exactly these ids: MySQL's collation would match another case too.
+            exact = set(wanted)
+            found = [(int(i), str(t)) for i, t in cursor.fetchall() if str(t) in exact]
+            ids = [row_id for row_id, _ in found]
+            if ids:
+                self.record_outbox(cursor, REVOKED, ids)
+                cursor.execute(
+                    f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})",
+                    ids,
+                )
+        return list(dict.fromkeys(task_id for _, task_id in found))
 
     def replay_dead_letters(
         self,
@@ -420,6 +469,11 @@ class OperatorQueries(HistoryWriter):
         ):
             return moment
         return moment.astimezone(timezone.utc).replace(tzinfo=None)
+
+
+def _scheduled(now: str) -> str:
+    """SQL: the row waits for its ETA (scheduled), by the database clock ``now``."""
+    return f"due_at > {now} AND lease_token IS NULL AND available_at > {now}"
 
 
 def _text(value: Any) -> str:

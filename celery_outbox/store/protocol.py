@@ -79,6 +79,11 @@ class RelayStore(Protocol):
         """
         ...
 
+    def seconds_until_due(self) -> float | None:
+        """Seconds until the next row not yet due falls due (a scheduled task, a
+        retry, a lease's end); None when no row waits."""
+        ...
+
     def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:
         """Extend the lease on those of ``ids`` still held under ``token``; how many."""
         ...

@@ -74,6 +74,10 @@ class OutboxWriter(StoreBase):
             return
         for envelope in envelopes:
             check_fits(envelope)
+        if any(envelope.due_in is not None for envelope in envelopes):
+            envelopes = self._bury_expired(envelopes)
+            if not envelopes:
+                return
         connection = self.connection
         held: HeldRows | None = getattr(connection, HELD_ROWS, None)
         if (
@@ -112,6 +116,8 @@ class OutboxWriter(StoreBase):
     ) -> tuple[str, list[Any]]:
         """The one INSERT (and its parameters) that writes ``envelopes``."""
         dialect = self.dialect
+        if any(envelope.due_in is not None for envelope in envelopes):
+            return self._scheduled_statement(envelopes, notify=notify)
         now = dialect.now()
         row = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {now})"
         params: list[Any] = []
@@ -121,6 +127,57 @@ class OutboxWriter(StoreBase):
             f"{_INSERT_HEAD} VALUES " + ", ".join([row] * len(envelopes)), notify
         )
         return sql, params
+
+    def _scheduled_statement(
+        self, envelopes: Sequence[Envelope], *, notify: bool
+    ) -> tuple[str, list[Any]]:
+        """The INSERT of messages some of which are scheduled: due at their ETA.
+
+        ``available_at`` and ``due_at`` are the ETA on the database clock (now plus
+        the seconds the call had left), so relays and the worker's ``eta`` agree
+        however the caller's clock drifts from the database's.
+        """
+        dialect = self.dialect
+        now = dialect.now()
+        at_once = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {now}, NULL)"
+        later = dialect.after_expr("%s")
+        scheduled = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {later}, {later})"
+        rows: list[str] = []
+        params: list[Any] = []
+        for envelope in envelopes:
+            params.extend(message_values(envelope))
+            if envelope.due_in is None:
+                rows.append(at_once)
+            else:
+                rows.append(scheduled)
+                params.extend([dialect.delay_value(envelope.due_in)] * 2)
+        sql = f"{_SCHEDULED_HEAD} VALUES " + ", ".join(rows)
+        return dialect.insert(sql, notify), params
+
+    def _bury_expired(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
+        """Write the messages that expire before their ETA to the dead letters, in
+        the caller's transaction, each with its reason; returns the others."""
+        dead = [envelope for envelope in envelopes if envelope.dead_reason]
+        if not dead:
+            return list(envelopes)
+        now = self.dialect.now()
+        row = f"(0, {placeholders(MESSAGE_COLUMNS)}, 0, %s, {now}, {now})"
+        params: list[Any] = []
+        for envelope in dead:
+            params.extend([*message_values(envelope), envelope.dead_reason[:4000]])
+        logger.warning(
+            "%d task(s) written to the dead letters, never published: %s",
+            len(dead),
+            "; ".join(f"{e.task_name} [{e.task_id}] {e.dead_reason}" for e in dead),
+        )
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {DEAD_TABLE} (original_id, {', '.join(MESSAGE_COLUMNS)}, "
+                f"attempts, last_error, created_at, dead_at) VALUES "
+                + ", ".join([row] * len(dead)),
+                params,
+            )
+        return [envelope for envelope in envelopes if not envelope.dead_reason]
 
 
 class RelayQueries(KeyedClaims, HistoryWriter):
@@ -221,6 +278,19 @@ class RelayQueries(KeyedClaims, HistoryWriter):
                 report,
             )
         return report
+
+    def seconds_until_due(self) -> float | None:
+        """Seconds until the next row not yet due falls due; None when none waits.
+
+        One read of the first ``available_at`` index entry after now, however many
+        rows are scheduled: an idle relay wakes then instead of at its next poll.
+        """
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(self.dialect.next_due_sql(), [])
+            row = cursor.fetchone()
+        if row is None or row[0] is None:
+            return None
+        return max(0.0, -float(row[0]))
 
     def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:
         """Extend the lease on rows still held under ``token``; returns how many."""
@@ -367,6 +437,8 @@ def _exclusive_file_lock(path: str) -> Iterator[None]:
 
 #: The enqueue INSERT up to its VALUES (the row layout of :func:`message_values`).
 _INSERT_HEAD = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
+#: The same, for a statement that writes scheduled rows (their ``due_at`` too).
+_SCHEDULED_HEAD = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)}, due_at)"
 
 
 #: Rows per INSERT at most: 15 parameters each stay far below every driver's limit.

@@ -49,7 +49,12 @@ class Stats:
     due: int
     in_flight: int
     dead: int
+    #: Of the rows not scheduled: the age of the oldest (a scheduled row counts from
+    #: its ETA once that has passed).
     oldest_pending_seconds: float | None
+    #: Rows held until their ETA, and the seconds until the first of them is due.
+    scheduled: int = 0
+    next_due_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape of ``outbox stats --format json``."""
@@ -59,6 +64,8 @@ class Stats:
             "in_flight": self.in_flight,
             "dead": self.dead,
             "oldest_pending_seconds": self.oldest_pending_seconds,
+            "scheduled": self.scheduled,
+            "next_due_seconds": self.next_due_seconds,
         }
 
 
@@ -84,6 +91,9 @@ class Summary:
     dead: int
     oldest_pending_seconds: float | None
     backlog: tuple[BacklogGroup, ...] = ()
+    #: Rows held until their ETA, and the seconds until the first of them is due.
+    scheduled: int = 0
+    next_due_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,26 @@ class StoreContract:
         assert message.age_seconds is not None
         assert PAST_LEASE - 0.05 <= message.age_seconds < LONG
 
+    def test_a_scheduled_row_waits_for_its_eta_and_says_when_it_is_due(
+        self, harness: StoreHarness
+    ) -> None:
+        later, now = envelope("later", due_in=PAST_LEASE), envelope("now")
+        harness.enqueue([later, now])
+        assert task_ids(harness.store.claim(10, LONG).messages) == [now.task_id]
+        due = harness.store.seconds_until_due()
+        assert due is not None and 0 < due <= PAST_LEASE
+        assert harness.store.claim(10, LONG).messages == ()
+        harness.wait(due + 0.05)
+        (message,) = harness.store.claim(10, LONG).messages
+        assert message.envelope.task_id == later.task_id
+        # Its age counts from its ETA: it was not late while it waited.
+        assert message.age_seconds is not None and message.age_seconds < PAST_LEASE
+
+    def test_nothing_waiting_means_no_due_time(self, harness: StoreHarness) -> None:
+        assert harness.store.seconds_until_due() is None
+        enqueued(harness, "a")
+        assert harness.store.seconds_until_due() is None  # due already
+
     def test_a_lease_keeps_other_claims_away_until_it_ends(
         self, harness: StoreHarness
     ) -> None:

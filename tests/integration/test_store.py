@@ -185,6 +185,8 @@ def test_stats_report_backlog_and_age(alias: str) -> None:
         "in_flight": 0,
         "dead": 0,
         "oldest_pending_seconds": None,
+        "scheduled": 0,
+        "next_due_seconds": None,
     }
     committed(store, "a", "b", "c")
     time.sleep(0.3)

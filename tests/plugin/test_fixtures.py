@@ -370,3 +370,21 @@ def test_drain_sends_the_relays_django_signals(outbox: OutboxFixture) -> None:
     finally:
         signals.message_published.disconnect(receiver)
     assert published == [sent.id]
+
+
+@ALL
+def test_drain_publishes_scheduled_tasks_too_unless_told_not_to(
+    alias: str, outbox: OutboxFixture
+) -> None:
+    """An ETA an hour away waits in the outbox; a test does not wait for it."""
+    with transaction.atomic(using=alias):
+        later = record.apply_async(("later",), countdown=3600)
+    assert outbox.drain(scheduled=False) == []
+    assert [m.task_id for m in outbox.messages] == [later.id]
+    (published,) = outbox.drain()
+    assert published.task_id == later.id
+    assert outbox.messages == []
+    with transaction.atomic(using=alias):
+        again = record.apply_async(("again",), countdown=3600)
+    (run,) = outbox.run_enqueued()  # ETAs are not waited for
+    assert (run.message.task_id, run.state) == (again.id, "SUCCESS")

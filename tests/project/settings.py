@@ -142,6 +142,18 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 if os.environ.get("OUTBOX_TEST_BROKER_HEARTBEAT"):
     CELERY_BROKER_HEARTBEAT = float(os.environ["OUTBOX_TEST_BROKER_HEARTBEAT"])
 
+# The scheduled-task tests: a Redis visibility timeout shorter than their countdowns
+# (kombu then looks for unacknowledged messages to restore every second), and the threshold
+# beyond which an ETA waits in the outbox.
+if os.environ.get("OUTBOX_TEST_VISIBILITY_TIMEOUT"):
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": float(os.environ["OUTBOX_TEST_VISIBILITY_TIMEOUT"]),
+        "unacked_restore_throttle": 1,
+        "unacked_restore_interval": 1,  # kombu >= 5.7; every 10 s before
+    }
+if os.environ.get("OUTBOX_TEST_SCHEDULE_AFTER"):
+    CELERY_OUTBOX_SCHEDULE_AFTER = float(os.environ["OUTBOX_TEST_SCHEDULE_AFTER"])
+
 SILENCED_SYSTEM_CHECKS = ["celery_outbox.W001"]
 
 CELERY_OUTBOX_POLL_INTERVAL = 0.2

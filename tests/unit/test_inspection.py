@@ -122,6 +122,19 @@ def test_without_a_row_the_later_of_dead_and_published_decides() -> None:
     assert message_state(trace(events=(event("retrying", 1),))) is None
 
 
+def test_a_revoke_before_publish_is_the_last_word_until_something_happens_after() -> (
+    None
+):
+    revoked = trace(events=(event("retrying", 1), event("revoked", 5, attempt=1)))
+    assert message_state(revoked) == "revoked"
+    text = inspect_message(revoked, TEXT)
+    assert "state        revoked" in text
+    assert "before it was published" in text
+    # Replayed from a dead letter and published after the revoke: published.
+    later = trace((), (dead(2),), (event("revoked", 5), event("published", 9)))
+    assert message_state(later) == "published"
+
+
 def test_the_enqueue_is_the_earliest_record() -> None:
     replayed_row = waiting("due", created_at=at(50))
     assert enqueued_at(trace((replayed_row,), events=(event("dead", 9),))) == at(0)

@@ -35,6 +35,7 @@ PLACES = {
     "celery_outbox.progress": "values",
     "celery_outbox.queues": "values",
     "celery_outbox.redaction": "values",
+    "celery_outbox.scheduling": "values",
     "celery_outbox.states": "values",
     "celery_outbox.text": "values",
     # Ordered keys' options and head rule: values the store's claim applies.
@@ -76,6 +77,7 @@ PLACES = {
     "celery_outbox.operations": "top",
     "celery_outbox.ordering.admin": "top",
     "celery_outbox.pytest_plugin": "top",
+    "celery_outbox.revoke": "top",
     "celery_outbox.relay.runner": "top",
     "celery_outbox.tasks": "top",
     "celery_outbox.testing": "top",

@@ -51,6 +51,23 @@ def flaky(self: Any, tag: str) -> str:
     return tag
 
 
+@shared_task(bind=True, name="shop.at_eta")
+def at_eta(self: Any, tag: str) -> str:
+    """Record ``tag`` with the ETA the message carried (its ``eta`` header)."""
+    _record(self, tag, self.request.eta)
+    return tag
+
+
+@shared_task(bind=True, name="shop.retry_later", max_retries=1)
+def retry_later(self: Any, tag: str, countdown: float) -> str:
+    """Run once, retry after ``countdown`` seconds, then record ``tag``."""
+    _record(self, f"{tag}-attempt-{self.request.retries}")
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    _record(self, tag, self.request.eta)
+    return tag
+
+
 @shared_task(bind=True, name="shop.spawn")
 def spawn(self: Any, tag: str) -> str:
     """Enqueue a follow-up from inside the worker, outside any transaction."""

@@ -1,0 +1,1 @@
+"""Celery's own integration suite, run stock and through ``OutboxCelery`` (``run.py``)."""
