@@ -152,11 +152,12 @@ def app_pair(queue: str) -> Iterator[tuple[Celery, OutboxCelery]]:
 def relay_once(app: OutboxCelery, count: int) -> None:
     """A real relay cycle with the listeners ``outbox relay`` gives it for this app."""
     settings = get_settings()
-    store = outbox_stores(settings).operator()
-    assert store.stats().pending == count
+    stores = outbox_stores(settings)
+    operator = stores.operator()
+    assert operator.stats().pending == count
     publisher = build_publisher(app, settings)
     relay = Relay(
-        store,
+        stores.relay(),
         publisher,
         RelayConfig.from_settings(settings, until_empty=True),
         listeners=sent_event_listeners(app),
@@ -165,7 +166,7 @@ def relay_once(app: OutboxCelery, count: int) -> None:
         assert relay.run_once() is Cycle.PARTIAL
     finally:
         publisher.close()
-    assert store.stats().pending == 0
+    assert operator.stats().pending == 0
 
 
 def moment(value: str, call_window: tuple[float, float], seconds: float) -> None:
