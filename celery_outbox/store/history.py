@@ -27,6 +27,7 @@ from django.db.models.expressions import RawSQL
 from ..conf import get_settings
 from ..exceptions import OutboxConfigurationError, OutboxDatabaseError
 from ..states import BLOCKED, PUBLISHED, RETRYING, row_state
+from ..text import storable
 from .base import StoreBase
 from .dialects import DEAD_TABLE, MESSAGE_TABLE, placeholders
 
@@ -36,8 +37,6 @@ REPLAYED = "replayed"
 _COLUMNS = (
     "task_id, task_name, event, at, enqueued_at, attempt, error, relay_id, process"
 )
-#: Reasons are cut as the outbox's ``last_error`` is.
-ERROR_LIMIT = 4000
 
 
 @dataclass(frozen=True)
@@ -344,9 +343,7 @@ class HistoryLog(StoreBase):
 def _reasons(errors: Mapping[int, str] | str) -> tuple[str, list[Any]]:
     """SQL for each row's reason (``CASE id ...``), or for one reason for all."""
     if isinstance(errors, str):
-        return "%s", [errors[:ERROR_LIMIT]]
+        return "%s", [storable(errors)]
     whens = " ".join(["WHEN %s THEN %s"] * len(errors))
-    params = [
-        item for pair in errors.items() for item in (pair[0], pair[1][:ERROR_LIMIT])
-    ]
+    params = [item for pair in errors.items() for item in (pair[0], storable(pair[1]))]
     return f"CASE id {whens} END", params

@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING
 
 from ..envelope import Envelope, StoredMessage
 from ..outcomes import Decision, Settlement
+from ..text import storable
 from .types import Claim, SettleReport
-
-#: The longest error text kept, as the database columns keep it.
-ERROR_LIMIT = 4000
 
 
 @dataclass(frozen=True)
@@ -195,7 +193,7 @@ class InMemoryStore:
         self._rows[row.id] = replace(
             row,
             attempts=row.attempts + used,
-            last_error=decision.error[:ERROR_LIMIT],
+            last_error=storable(decision.error),
             available_at=now + decision.delay,
             lease_token=None,
         )
@@ -205,7 +203,7 @@ class InMemoryStore:
         row = self._take(token, decision.message_id)
         if row is None:
             return False
-        error = decision.error[:ERROR_LIMIT]
+        error = storable(decision.error)
         self._dead.append(DeadRow(row.id, row.envelope, row.attempts + 1, error, now))
         return True
 

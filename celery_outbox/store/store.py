@@ -35,6 +35,7 @@ from ..exceptions import (
 from ..outcomes import Action, Decision, Settlement
 from ..queues import is_spec
 from ..states import DEAD
+from ..text import storable
 from .dedup import DedupKeys
 from .dialects import (
     COLUMN_LIMITS,
@@ -289,7 +290,7 @@ class OutboxStore(
             return 0
         ids = [d.message_id for d in decisions]
         errors_sql, errors = _case_by_id(
-            {d.message_id: d.error[:4000] for d in decisions}
+            {d.message_id: storable(d.error) for d in decisions}
         )
         delays_sql, delays = _case_by_id(
             {d.message_id: dialect.delay_value(d.delay) for d in decisions}
@@ -328,7 +329,7 @@ class OutboxStore(
         reasons = {d.message_id: d.error for d in decisions if d.message_id in kept}
         self.record_outbox(cursor, DEAD, held, errors=reasons, used=1)
         errors_sql, errors = _case_by_id(
-            {row_id: error[:4000] for row_id, error in reasons.items()}
+            {row_id: storable(error) for row_id, error in reasons.items()}
         )
         columns = ", ".join(MESSAGE_COLUMNS)
         cursor.execute(
