@@ -1132,11 +1132,13 @@ def main(argv: list[str] | None = None) -> int:
             "handlers",
             "library",
             "profile",
+            "settle",
         ],
         help=(
             "run one part (library: the drain with and without the relay's own "
-            "publishing code; profile: cProfile of an in-process drain; neither is "
-            "in the default run)"
+            "publishing code; profile: cProfile of an in-process drain; settle: "
+            "settling N refused rows on every database; none of them is in the "
+            "default run)"
         ),
     )
     parser.add_argument(
@@ -1210,6 +1212,10 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.handlers_latency import bench_handlers  # imports this module
 
                 report.handlers = bench_handlers(args.quick, args.repeats)
+            elif part == "settle":  # its own databases: printed as it comes
+                from bench.settle import bench_settle  # imports this module
+
+                print(bench_settle(args.quick, args.repeats), flush=True)
             elif part == "profile":
                 for kind in ("amqp", "redis"):
                     print(profile_drain(kind, envelopes, brokers), flush=True)

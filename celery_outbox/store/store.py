@@ -44,6 +44,8 @@ from .dialects import (
     MESSAGE_COLUMNS,
     MESSAGE_TABLE,
     Dialect,
+    case_by_id,
+    chunked,
     placeholders,
 )
 from .held import HELD_ROWS, HeldRows
@@ -285,25 +287,26 @@ class OutboxStore(
         *,
         count: bool,
     ) -> int:
-        """Put rows back, each with its own delay and reason: one statement for all."""
-        if not decisions:
-            return 0
-        ids = [d.message_id for d in decisions]
-        errors_sql, errors = _case_by_id(
-            {d.message_id: storable(d.error) for d in decisions}
-        )
-        delays_sql, delays = _case_by_id(
-            {d.message_id: dialect.delay_value(d.delay) for d in decisions}
-        )
+        """Put rows back, each with its own delay and reason: a statement per chunk."""
         bump = "attempts = attempts + 1, " if count else ""
-        cursor.execute(
-            f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = {errors_sql}, "
-            f"available_at = {dialect.after_expr(delays_sql)}, lease_token = NULL, "
-            f"holder = NULL "
-            f"WHERE lease_token = %s AND id IN ({placeholders(ids)})",
-            [*errors, *delays, token, *ids],
-        )
-        return int(cursor.rowcount)
+        changed = 0
+        for chunk in chunked(decisions):
+            ids = [d.message_id for d in chunk]
+            errors_sql, errors = case_by_id(
+                {d.message_id: storable(d.error) for d in chunk}
+            )
+            delays_sql, delays = case_by_id(
+                {d.message_id: dialect.delay_value(d.delay) for d in chunk}
+            )
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = {errors_sql}, "
+                f"available_at = {dialect.after_expr(delays_sql)}, "
+                f"lease_token = NULL, holder = NULL "
+                f"WHERE lease_token = %s AND id IN ({placeholders(ids)})",
+                [*errors, *delays, token, *ids],
+            )
+            changed += int(cursor.rowcount)
+        return changed
 
     def _dead_letter(
         self, cursor: Any, dialect: Dialect, token: str, decisions: Sequence[Decision]
@@ -325,31 +328,23 @@ class OutboxStore(
         held = [int(row[0]) for row in cursor.fetchall()]
         if not held:
             return 0
-        kept = set(held)
-        reasons = {d.message_id: d.error for d in decisions if d.message_id in kept}
+        reasons = {d.message_id: d.error for d in decisions}
         self.record_outbox(cursor, DEAD, held, errors=reasons, used=1)
-        errors_sql, errors = _case_by_id(
-            {row_id: storable(error) for row_id, error in reasons.items()}
-        )
         columns = ", ".join(MESSAGE_COLUMNS)
-        cursor.execute(
-            f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, last_error, "
-            f"created_at, dead_at) SELECT id, {columns}, attempts + 1, {errors_sql}, "
-            f"created_at, {dialect.now()} FROM {MESSAGE_TABLE} "
-            f"WHERE id IN ({placeholders(held)}) ORDER BY id",
-            [*errors, *held],
-        )
-        cursor.execute(
-            f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(held)})", held
-        )
+        for chunk in chunked(held):
+            errors_sql, errors = case_by_id(
+                {row_id: storable(reasons[row_id]) for row_id in chunk}
+            )
+            cursor.execute(
+                f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, "
+                f"last_error, created_at, dead_at) SELECT id, {columns}, attempts + 1, "
+                f"{errors_sql}, created_at, {dialect.now()} FROM {MESSAGE_TABLE} "
+                f"WHERE id IN ({placeholders(chunk)}) ORDER BY id",
+                [*errors, *chunk],
+            )
+        among_sql, among_params = dialect.among("id", held)
+        cursor.execute(f"DELETE FROM {MESSAGE_TABLE} WHERE {among_sql}", among_params)
         return len(held)
-
-
-def _case_by_id(values: Mapping[int, Any]) -> tuple[str, list[Any]]:
-    """``CASE id WHEN .. THEN .. END`` choosing a value per row, with its parameters."""
-    whens = " ".join(["WHEN %s THEN %s"] * len(values))
-    params = [item for pair in values.items() for item in pair]
-    return f"CASE id {whens} END", params
 
 
 @contextlib.contextmanager
