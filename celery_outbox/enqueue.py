@@ -42,6 +42,8 @@ from .ordering.options import OPTION_NAMES, pop_options
 from .queues import cached_queue_spec
 from .signals import send_created
 from .store import OutboxStore
+from .store.store import check_fits
+from .text import check_text
 
 logger = logging.getLogger("celery_outbox")
 
@@ -348,11 +350,12 @@ def dedup_options(
         raise OutboxValueError(
             f"{where}: dedup_window needs a dedup_key. Nothing was written."
         )
-    if not isinstance(key, str) or not 0 < len(key) <= 255 or "\x00" in key:
+    if not isinstance(key, str) or not 0 < len(key) <= 255:
         raise OutboxValueError(
-            f"{where}: dedup_key must be a non-empty string of at most 255 characters "
-            f"without NUL, got {key!r}. Nothing was written."
+            f"{where}: dedup_key must be a non-empty string of at most 255 characters, "
+            f"got {key!r}. Nothing was written."
         )
+    check_text(key, "dedup_key", where)
     if buffered:
         raise OutboxValueError(
             f"{where}: dedup_key is not supported inside a group or chord (its "
@@ -534,6 +537,10 @@ class Enqueuer:
         store = OutboxStore(alias)
         refused: Mapping[str, str] = {}
         if any(envelope.dedup_key is not None for envelope in envelopes):
+            for (
+                envelope
+            ) in envelopes:  # before a key is taken in the caller's transaction
+                check_fits(envelope)
             refused = store.hold_keys(envelopes)
             envelopes = [e for e in envelopes if e.task_id not in refused]
             if not envelopes:

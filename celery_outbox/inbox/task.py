@@ -20,6 +20,7 @@ from django.db import IntegrityError, transaction
 from ..conf import OutboxSettings, get_settings
 from ..enqueue import outbox_alias
 from ..exceptions import OutboxValueError
+from ..text import check_text
 from .signals import send_duplicate_skipped
 
 logger = logging.getLogger("celery_outbox.inbox")
@@ -86,7 +87,7 @@ def checked_key(task_name: str, key: Any) -> str:
             f"inbox_key of {task_name} is {len(key)} characters long; the inbox holds "
             f"at most {MAX_KEY_LENGTH}. Hash a longer key (e.g. hashlib.sha256)."
         )
-    return key
+    return check_text(key, "inbox_key", f"Cannot send task {task_name}")
 
 
 if TYPE_CHECKING:
@@ -120,7 +121,8 @@ class InboxTask(_Base):
         self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         alias = inbox_alias(get_settings())
-        key = message_key(request)
+        # A key another service sent: refused with its culprit, not by the driver.
+        key = check_text(message_key(request), "inbox key", f"Cannot run {self.name}")
         try:
             return self._run_in_transaction(alias, key, request, args, kwargs)
         except _Duplicate:
@@ -201,4 +203,6 @@ class InboxTask(_Base):
             return options
         if key is not None:
             options["headers"] = {**headers, KEY_HEADER: checked_key(self.name, key)}
+        else:  # given as a header: checked all the same, before anything is sent
+            checked_key(self.name, headers[KEY_HEADER])
         return options

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..exceptions import OutboxValueError
+from ..text import check_text
 
 #: The message header that carries the non-default options: ``strict,skip,coalesce``.
 HEADER = "outbox_ordering"
@@ -144,4 +145,4 @@ def _text(value: Any, name: str, where: str) -> str | None:
         raise OutboxValueError(
             f"{where}: {name} must be a string, got {value!r}. Nothing was written."
         )
-    return str(value)
+    return check_text(str(value), name, where)

@@ -29,13 +29,12 @@ from ..envelope import (
 )
 from ..exceptions import (
     OutboxConfigurationError,
-    OutboxValueError,
     UnsupportedPayloadVersion,
 )
 from ..outcomes import Action, Decision, Settlement
 from ..queues import is_spec
 from ..states import DEAD
-from ..text import storable
+from ..text import check_text, storable
 from .dedup import DedupKeys
 from .dialects import (
     COLUMN_LIMITS,
@@ -384,32 +383,11 @@ def check_fits(envelope: Envelope) -> None:
 
 
 def _check_columns(envelope: Envelope, limits: Mapping[str, int | None]) -> None:
+    where = f"Cannot enqueue task {envelope.task_name[:80]!r}"
     for column, limit in limits.items():
         value = getattr(envelope, column)
-        if value is None:
-            continue
-        if limit is not None and len(value) > limit:
-            raise OutboxValueError(
-                f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} is "
-                f"{len(value)} characters long and the outbox stores at most {limit}. "
-                f"Use a shorter {column}. Nothing was written."
-            )
-        if "\x00" in value:
-            raise OutboxValueError(
-                f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} contains "
-                f"a NUL (0x00) character, which PostgreSQL cannot store. Remove it. "
-                f"Nothing was written."
-            )
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise OutboxValueError(
-                    f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} "
-                    f"contains a lone surrogate ({value[exc.start]!r}), which cannot "
-                    f"be stored as UTF-8 text. Decode the value properly first. "
-                    f"Nothing was written."
-                ) from None
+        if value is not None:
+            check_text(value, column, where, limit=limit)
 
 
 def message_values(envelope: Envelope) -> list[Any]:
