@@ -74,6 +74,9 @@ class Dialect:
     concurrent_claims = True
     #: Whether :meth:`insert` can carry a wake-up hint.
     notifies = False
+    #: Whether writers that wait on the INSERT of one uncommitted key deadlock when
+    #: it rolls back (InnoDB's shared locks on a duplicate): they lock the key first.
+    duplicates_deadlock = False
 
     def now(self) -> str:
         """An SQL expression for the database's current UTC time."""
@@ -218,6 +221,7 @@ class MySQLDialect(Dialect):
     """MySQL 8 and MariaDB >= 10.6: no UPDATE ... RETURNING, so select then update."""
 
     vendor = "mysql"
+    duplicates_deadlock = True
 
     def exact(self, column: str) -> str:
         # The default collations ignore case (and, in MariaDB, trailing spaces).
