@@ -20,6 +20,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...conf import get_settings
+from ...exceptions import OutboxError
+from ..errors import command_error
 
 
 class Command(BaseCommand):
@@ -43,6 +45,12 @@ class Command(BaseCommand):
         dead.add_argument("key")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            self._handle(options)
+        except OutboxError as exc:  # missing tables, an unreachable database
+            raise command_error(exc) from exc
+
+    def _handle(self, options: dict[str, Any]) -> None:
         from ...enqueue import outbox_alias
         from ...store import OutboxStore
 
