@@ -20,6 +20,9 @@ MESSAGE_TABLE = "celery_outbox_message"
 DEAD_TABLE = "celery_outbox_deadletter"
 RELAY_TABLE = "celery_outbox_relay"
 DEDUP_TABLE = "celery_outbox_dedup_key"
+HISTORY_TABLE = "celery_outbox_history"
+#: Every table the ``celery_outbox`` migrations make.
+TABLES = (MESSAGE_TABLE, DEAD_TABLE, RELAY_TABLE, DEDUP_TABLE, HISTORY_TABLE)
 
 #: Columns copied verbatim between the outbox and the dead-letter table.
 MESSAGE_COLUMNS = (

@@ -29,9 +29,15 @@ from ..exceptions import OutboxConfigurationError, OutboxDatabaseError
 from ..states import BLOCKED, PUBLISHED, RETRYING, row_state
 from ..text import storable
 from .base import StoreBase
-from .dialects import DEAD_TABLE, MESSAGE_TABLE, case_by_id, chunked, placeholders
+from .dialects import (
+    DEAD_TABLE,
+    HISTORY_TABLE,
+    MESSAGE_TABLE,
+    case_by_id,
+    chunked,
+    placeholders,
+)
 
-HISTORY_TABLE = "celery_outbox_history"
 REPLAYED = "replayed"
 
 _COLUMNS = (

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connections
 from django.test import override_settings
 
 from .test_events import delete_topology
@@ -141,3 +142,25 @@ def test_an_unknown_ordering_key_has_no_blocked_head() -> None:
     for action in ("retry", "skip", "dead-letter"):
         with pytest.raises(CommandError, match="has no blocked head"):
             call_command("outbox_ordering", action, "no-such-key")
+
+
+@pytest.fixture
+def without_history_table() -> Iterator[str]:
+    """The SQLite alias without its history table (moved away, then back)."""
+    with connections["sqlite"].cursor() as cursor:
+        cursor.execute("ALTER TABLE celery_outbox_history RENAME TO hidden_history")
+    try:
+        with override_settings(CELERY_OUTBOX_DATABASE="sqlite"):
+            yield "sqlite"
+    finally:
+        with connections["sqlite"].cursor() as cursor:
+            cursor.execute("ALTER TABLE hidden_history RENAME TO celery_outbox_history")
+
+
+@pytest.mark.django_db(databases="__all__", transaction=True)
+def test_a_missing_history_table_says_to_migrate(without_history_table: str) -> None:
+    with pytest.raises(CommandError) as raised:
+        call_command("outbox", "inspect", "some-task-id")
+    message = str(raised.value)
+    assert "table missing on outbox database 'sqlite': celery_outbox_history" in message
+    assert "python manage.py migrate celery_outbox --database sqlite" in message
