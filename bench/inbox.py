@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import env
-from bench.run import ROOT, BenchError, child_env, median, verdict
+from bench.run import BenchError, json_child, median, verdict
 
 VARIANTS = ("autocommit", "atomic", "atomic+row", "inbox")
 VENDORS = {"postgresql": "PostgreSQL", "mysql": "MariaDB"}
@@ -259,38 +258,17 @@ def child_main(argv: list[str] | None = None) -> int:
 
 
 def run_child(vendor: str, sizes: InboxSizes) -> VendorResult:
-    args = [
-        sys.executable,
-        "-m",
+    args = ["--vendor", vendor, "--rounds", str(sizes.rounds)]
+    args += ["--per-round", str(sizes.per_round)]
+    found = json_child(
         "bench.inbox",
-        "--vendor",
-        vendor,
-        "--rounds",
-        str(sizes.rounds),
-        "--per-round",
-        str(sizes.per_round),
-    ]
-    environ = child_env(
+        args,
+        f"the inbox part on {vendor}",
+        CHILD_TIMEOUT,
         DJANGO_SETTINGS_MODULE="bench.inbox_settings",
         OUTBOX_BENCH_INBOX_VENDOR=vendor,
     )
-    done = subprocess.run(
-        args,
-        cwd=ROOT,
-        env=environ,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT,
-        check=False,
-    )
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise BenchError(
-            f"the inbox part on {vendor} exited with {done.returncode}:\n"
-            f"{done.stderr[-3000:]}"
-        )
-    return VendorResult(**json.loads(lines[-1]))
+    return VendorResult(**found)
 
 
 def render(results: list[VendorResult], sizes: InboxSizes) -> str:

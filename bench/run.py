@@ -136,6 +136,29 @@ def child_env(**extra: str) -> dict[str, str]:
     return environ
 
 
+def json_child(
+    module: str, args: Sequence[str], what: str, timeout: float, **environ: str
+) -> Any:
+    """Run ``python -m module args`` (``environ`` added to :func:`child_env`) and
+    return the JSON of its last line; :class:`BenchError` names ``what`` if it failed."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=child_env(**environ),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise BenchError(
+            f"{what} exited with {done.returncode}:\n{done.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
 class Child:
     """A subprocess whose stdout lines are collected by a thread."""
 

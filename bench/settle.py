@@ -17,13 +17,12 @@ import dataclasses
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench.run import ROOT, BenchError, child_env, verdict
+from bench.run import BenchError, json_child, verdict
 
 VENDORS = {"postgresql": "PostgreSQL", "mysql": "MariaDB", "sqlite": "SQLite"}
 KINDS = ("retry", "dead letter")
@@ -48,42 +47,12 @@ def ensure_database(vendor: str) -> None:
     """Create the part's own database (PostgreSQL, MariaDB) when it is missing."""
     from django.conf import settings
 
-    config = settings.DATABASES["default"]
+    from bench import env, inbox
+
     if vendor == "postgresql":
-        import psycopg
-        from psycopg import sql
-
-        with psycopg.connect(
-            host=config["HOST"],
-            port=config["PORT"],
-            user=config["USER"],
-            dbname="postgres",
-            autocommit=True,
-        ) as conn:
-            found = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", [config["NAME"]]
-            ).fetchone()
-            if found is None:
-                conn.execute(
-                    sql.SQL("CREATE DATABASE {}").format(sql.Identifier(config["NAME"]))
-                )
+        env.ensure_database(settings.DATABASES["default"]["NAME"])
     elif vendor == "mysql":
-        import pymysql
-
-        conn = pymysql.connect(
-            host=config["HOST"],
-            port=int(config["PORT"]),
-            user=config["USER"],
-            password=config["PASSWORD"],
-        )
-        try:
-            with conn.cursor() as cursor:
-                cursor.execute(
-                    f"CREATE DATABASE IF NOT EXISTS `{config['NAME']}` "
-                    "CHARACTER SET utf8mb4"
-                )
-        finally:
-            conn.close()
+        inbox.ensure_database(vendor)  # the settings' database, as the inbox part's
 
 
 def empty_tables() -> None:
@@ -187,36 +156,16 @@ def child_main(argv: list[str] | None = None) -> int:
 
 
 def run_child(vendor: str, sizes: list[int], repeats: int) -> SettleResult:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.settle",
-            "--vendor",
-            vendor,
-            "--sizes",
-            ",".join(map(str, sizes)),
-            "--repeats",
-            str(repeats),
-        ],
-        cwd=ROOT,
-        env=child_env(
-            DJANGO_SETTINGS_MODULE="bench.settle_settings",
-            OUTBOX_BENCH_SETTLE_VENDOR=vendor,
-        ),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT,
-        check=False,
+    args = ["--vendor", vendor, "--sizes", ",".join(map(str, sizes))]
+    found = json_child(
+        "bench.settle",
+        [*args, "--repeats", str(repeats)],
+        f"the settle part on {vendor}",
+        CHILD_TIMEOUT,
+        DJANGO_SETTINGS_MODULE="bench.settle_settings",
+        OUTBOX_BENCH_SETTLE_VENDOR=vendor,
     )
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise BenchError(
-            f"the settle part on {vendor} exited with {done.returncode}:\n"
-            f"{done.stderr[-3000:]}"
-        )
-    return SettleResult(**json.loads(lines[-1]))
+    return SettleResult(**found)
 
 
 def render(results: list[SettleResult], sizes: list[int], repeats: int) -> str:

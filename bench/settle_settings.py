@@ -43,6 +43,6 @@ _DATABASES: dict[str, dict[str, Any]] = {
     },
 }
 DATABASES = {"default": _DATABASES[VENDOR]}
-DATABASE_ROUTERS: list[str] = []
+DATABASE_ROUTERS = []
 INSTALLED_APPS = ["celery_outbox"]
 CELERY_OUTBOX_HISTORY = True

@@ -89,31 +89,24 @@ def events_exchange() -> Iterator[str]:
     delete_topology(name, ["billing"], 1, ())
 
 
+def billing_events(*args: str) -> None:
+    """``manage.py outbox events`` on the archive of service ``billing``."""
+    call_command("outbox", "events", "--app", APP, "--service", "billing", *args)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_archive_never_declared_is_not_reported_empty(events_exchange: str) -> None:
     with pytest.raises(CommandError, match="outbox events declare"):
-        call_command(
-            "outbox", "events", "--app", APP, "--service", "billing", "archive", "count"
-        )
+        billing_events("archive", "count")
 
 
 @pytest.mark.django_db(transaction=True)
 def test_replaying_unknown_archived_ids_exits_1(events_exchange: str) -> None:
-    call_command("outbox", "events", "--app", APP, "--service", "billing", "declare")
+    billing_events("declare")
     with pytest.raises(
         CommandError, match=r"1 of the 1 id\(s\) given match no archived"
     ):
-        call_command(
-            "outbox",
-            "events",
-            "--app",
-            APP,
-            "--service",
-            "billing",
-            "archive",
-            "replay",
-            "no-such-event",
-        )
+        billing_events("archive", "replay", "no-such-event")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -124,17 +117,7 @@ def test_replaying_unknown_ids_of_an_archive_in_the_database_exits_1(
         override_settings(CELERY_OUTBOX_EVENTS_RETRIES="database"),
         pytest.raises(CommandError, match="match no archived event"),
     ):
-        call_command(
-            "outbox",
-            "events",
-            "--app",
-            APP,
-            "--service",
-            "billing",
-            "archive",
-            "replay",
-            "no-such-event",
-        )
+        billing_events("archive", "replay", "no-such-event")
 
 
 @pytest.mark.django_db(transaction=True)
