@@ -41,8 +41,8 @@ def broker_url(kind: str | None = None) -> str:
     raise ValueError(f"unknown broker {kind!r}; expected 'amqp' or 'redis'")
 
 
-def ensure_database() -> None:
-    """Create the benchmark database when it does not exist yet."""
+def ensure_database(name: str = PG_NAME) -> None:
+    """Create the benchmark database (PostgreSQL) when it does not exist yet."""
     import psycopg
     from psycopg import sql
 
@@ -50,10 +50,10 @@ def ensure_database() -> None:
         host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres", autocommit=True
     ) as conn:
         found = conn.execute(
-            "SELECT 1 FROM pg_database WHERE datname = %s", [PG_NAME]
+            "SELECT 1 FROM pg_database WHERE datname = %s", [name]
         ).fetchone()
         if found is None:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(PG_NAME)))
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 
 
 def setup_django() -> None:

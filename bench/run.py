@@ -1188,13 +1188,15 @@ def main(argv: list[str] | None = None) -> int:
             "library",
             "profile",
             "soak",
+            "settle",
             *PARTS,
         ],
         help=(
             "run one part (library: the drain with and without the relay's own "
             "publishing code; profile: cProfile of an in-process drain; soak: a "
             "million messages through one relay, python -m bench.soak for its "
-            "options; none of the three is in the default run)"
+            "options; settle: settling N refused rows on every database; none of "
+            "these four is in the default run)"
         ),
     )
     parser.add_argument(
@@ -1277,6 +1279,10 @@ def main(argv: list[str] | None = None) -> int:
                 module, name = PARTS[part].split(":")
                 function = getattr(importlib.import_module(module), name)
                 report.tables[part] = function(args.quick, args.repeats)
+            elif part == "settle":  # its own databases: printed as it comes
+                from bench.settle import bench_settle  # imports this module
+
+                print(bench_settle(args.quick, args.repeats), flush=True)
             elif part == "profile":
                 for kind in ("amqp", "redis"):
                     print(profile_drain(kind, envelopes, brokers), flush=True)

@@ -178,7 +178,7 @@ def render(sizes: ScheduledSizes, samples: dict[str, list[float]]) -> str:
     from bench.run import percentile
 
     lines = [
-        f"12. scheduled tasks: published - ETA, ms; {sizes.tasks} tasks x "
+        f"13. scheduled tasks: published - ETA, ms; {sizes.tasks} tasks x "
         f"{sizes.rounds} per broker, ETAs {SPACING:.2f} s apart, `outbox relay` "
         f"(poll interval 1 s) as a subprocess, load {os.getloadavg()[0]:.1f}",
     ]

@@ -27,6 +27,7 @@ from .enqueue import (
 from .exceptions import OutboxConfigurationError
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
+from .text import check_text
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
 
@@ -78,6 +79,8 @@ class OutboxCelery(Celery):
             return super().send_task(name, *args, **options)
         options.pop("connection", None)
         options.pop("publisher", None)
+        if options.get("task_id") is not None:  # a result backend may use it first
+            check_text(options["task_id"], "task_id", f"Cannot enqueue task {name!r}")
         producer = given
         if not isinstance(producer, CapturingProducer):
             producer = options["producer"] = self._thread_producer()

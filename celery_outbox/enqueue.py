@@ -46,7 +46,8 @@ from .scheduling import schedule
 from .signals import send_created
 from .store.dedup import DedupKeys
 from .store.roles import outbox_alias as outbox_alias  # where it lived before
-from .store.store import OutboxWriter
+from .store.store import OutboxWriter, check_fits
+from .text import check_text
 
 logger = logging.getLogger("celery_outbox")
 
@@ -375,11 +376,12 @@ def dedup_options(
         raise OutboxValueError(
             f"{where}: dedup_window needs a dedup_key. Nothing was written."
         )
-    if not isinstance(key, str) or not 0 < len(key) <= 255 or "\x00" in key:
+    if not isinstance(key, str) or not 0 < len(key) <= 255:
         raise OutboxValueError(
-            f"{where}: dedup_key must be a non-empty string of at most 255 characters "
-            f"without NUL, got {key!r}. Nothing was written."
+            f"{where}: dedup_key must be a non-empty string of at most 255 characters, "
+            f"got {key!r}. Nothing was written."
         )
+    check_text(key, "dedup_key", where)
     if buffered:
         raise OutboxValueError(
             f"{where}: dedup_key is not supported inside a group or chord (its "
@@ -566,6 +568,9 @@ class Enqueuer:
             self.guard.check(alias, name, settings.outside_transaction)
         refused: Mapping[str, str] = {}
         if any(envelope.dedup_key is not None for envelope in envelopes):
+            # Checked before a key is taken in the caller's transaction.
+            for envelope in envelopes:
+                check_fits(envelope)
             refused = DedupKeys(alias).hold_keys(envelopes)
             envelopes = [e for e in envelopes if e.task_id not in refused]
             if not envelopes:

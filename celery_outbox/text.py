@@ -65,6 +65,20 @@ def unstorable_at(value: str) -> tuple[int, str] | None:
     return None
 
 
+#: Characters of a refused value shown on each side of the culprit.
+_SHOWN = 40
+
+
+def _around(value: str, position: int) -> str:
+    """``value`` as Python writes it, cut to the characters around ``position``."""
+    start, end = max(0, position - _SHOWN), position + _SHOWN + 1
+    if start == 0 and end >= len(value):
+        return repr(value)
+    head = "..." if start else ""
+    tail = "..." if end < len(value) else ""
+    return f"{head}{value[start:end]!r}{tail}"
+
+
 def check_text(
     value: object, what: str, where: str, *, limit: int | None = None
 ) -> str:
@@ -83,8 +97,9 @@ def check_text(
     if found is not None:
         position, description = found
         raise OutboxValueError(
-            f"{where}: {what} {value!r} contains {description}, at position "
-            f"{position}. Remove or encode that character. Nothing was written."
+            f"{where}: {what} {_around(value, position)} contains {description}, at "
+            f"position {position}. Remove or encode that character. Nothing was "
+            f"written."
         )
     if limit is not None and len(value) > limit:
         raise OutboxValueError(

@@ -23,6 +23,7 @@ from .base import (
     explain,
     is_outage,
 )
+from .topics import use_rabbit_topics
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -123,6 +124,8 @@ class KombuPublisher:
             self._declared.clear()
             self._connection = connection
             self._producer = connection.Producer(auto_declare=False)
+            # Redis and the other virtual transports route topics in the relay.
+            use_rabbit_topics(self._producer.channel)
         return self._producer
 
     def _declare(self, producer: Any, envelope: Envelope) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..exceptions import OutboxConfigurationError
 from .delivery import ERROR_HEADER, FAILED_AT_HEADER
 from .registry import EVENT_HEADER
 from .topology import ServiceTopology
@@ -32,11 +33,13 @@ class ArchivedEvent:
 @dataclass(frozen=True)
 class ReplayResult:
     """What a replay did: events put back, events left (no match), events kept
-    because their queue no longer exists."""
+    because their queue no longer exists, and the task ids of the events selected."""
 
     replayed: int
     left: int
     missing_queue: int
+    #: The ids of the selected events (replayed, or kept for a missing queue).
+    matched: frozenset[str] = frozenset()
 
 
 def depth(channel: Any, name: str) -> int | None:
@@ -52,9 +55,21 @@ def depth(channel: Any, name: str) -> int | None:
 
 
 def count(connection: Any, topology: ServiceTopology) -> int:
-    """Events in the service's archive (0 when it was never declared)."""
+    """Events in the service's archive; :class:`OutboxConfigurationError` when the
+    archive queue was never declared."""
     with connection.channel() as channel:
-        return depth(channel, topology.archive_name) or 0
+        return _archive_depth(channel, topology)
+
+
+def _archive_depth(channel: Any, topology: ServiceTopology) -> int:
+    found = depth(channel, topology.archive_name)
+    if found is None:
+        raise OutboxConfigurationError(
+            f"The archive queue {topology.archive_name!r} does not exist on the "
+            f"broker: service {topology.service!r} never declared its topology there. "
+            f"Run: python manage.py outbox events declare (or start its worker)."
+        )
+    return found
 
 
 def stats(connection: Any, topology: ServiceTopology) -> dict[str, int | None]:
@@ -72,6 +87,8 @@ def list_archive(
     connection: Any, topology: ServiceTopology, limit: int = 100
 ) -> list[ArchivedEvent]:
     """Up to ``limit`` archived events, oldest first; the archive is left as it was."""
+    with connection.channel() as channel:
+        _archive_depth(channel, topology)
     with connection.channel() as channel:
         return [_describe(message) for message in _browse(channel, topology, limit)]
 
@@ -93,8 +110,9 @@ def replay(
 
     wanted = set(ids)
     replayed = left = missing = 0
+    matched: set[str] = set()
     with connection.channel() as channel:
-        total = depth(channel, topology.archive_name) or 0
+        total = _archive_depth(channel, topology)
         existing: dict[str, bool] = {}
         for message in _browse(channel, topology, total):
             archived = _describe(message)
@@ -103,6 +121,7 @@ def replay(
             ):
                 left += 1
                 continue
+            matched.add(archived.id)
             if archived.queue not in existing:
                 existing[archived.queue] = _exists(connection, archived.queue)
             if not existing[archived.queue]:
@@ -122,14 +141,13 @@ def replay(
             channel.basic_ack(message.delivery_tag)
             replayed += 1
             on_progress(replayed, total)
-    return ReplayResult(replayed, left, missing)
+    return ReplayResult(replayed, left, missing, frozenset(matched))
 
 
 def purge(connection: Any, topology: ServiceTopology) -> int:
     """Delete every archived event; returns how many there were."""
     with connection.channel() as channel:
-        if depth(channel, topology.archive_name) is None:
-            return 0
+        _archive_depth(channel, topology)
         return int(channel.queue_purge(topology.archive_name) or 0)
 
 

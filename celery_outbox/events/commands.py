@@ -4,14 +4,18 @@ the archive. Parsing lives here; the work is in :mod:`.declare` and :mod:`.archi
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
 from django.utils.module_loading import import_string
+from kombu.exceptions import OperationalError as KombuOperationalError
 
+from ..broker.base import explain
 from ..conf import get_settings
+from ..exceptions import OutboxError
 from ..progress import ProgressBar
 from . import archive, dbarchive
 from .declare import declare
@@ -86,7 +90,7 @@ def run(options: dict[str, Any], out: Output) -> None:
     if command == "archive" and held:
         _archive_command(_held_archive(topology), options, out)
         return
-    with app.connection_for_write() as connection:
+    with app.connection_for_write() as connection, _broker_errors(connection):
         if command == "declare":
             settings = get_settings()
             declare(connection, topology.all_queues(), settings, topology.service)
@@ -103,6 +107,24 @@ def run(options: dict[str, Any], out: Output) -> None:
                 )
         else:
             _archive_command(_queue_archive(connection, topology), options, out)
+
+
+@contextlib.contextmanager
+def _broker_errors(connection: Any) -> Iterator[None]:
+    """The broker's errors (unreachable, a refused declaration) as ours, with the fix."""
+    errors = (
+        *connection.connection_errors,
+        *connection.channel_errors,
+        KombuOperationalError,
+        OSError,
+    )
+    try:
+        yield
+    except errors as exc:
+        raise OutboxError(
+            f"broker {connection.as_uri()}: {explain(exc)}. Check that it runs and "
+            f"that the app's broker_url points at it."
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -144,8 +166,6 @@ def _held_archive(topology: ServiceTopology) -> _Archive:
 
 
 def _archive_command(target: _Archive, options: dict[str, Any], out: Output) -> None:
-    from ..exceptions import OutboxError
-
     command = options["archive_command"]
     if command == "count":
         out.write(f"{target.count()}\n")
@@ -164,10 +184,19 @@ def _archive_command(target: _Archive, options: dict[str, Any], out: Output) -> 
             )
         finally:
             bar.close()
-        out.write(
-            f"\nreplayed {result.replayed}, left {result.left} in the archive"
-            f"{target.note(result)}\n"
+        summary = (
+            f"replayed {result.replayed}, left {result.left} in the archive"
+            f"{target.note(result)}"
         )
+        unknown = sorted(set(options["ids"]) - result.matched)
+        if unknown:
+            # The ids that did match were replayed; a script must still hear of the rest.
+            raise OutboxError(
+                f"{summary}; {len(unknown)} of the {len(set(options['ids']))} id(s) "
+                f"given match no archived event of this service: {', '.join(unknown)} "
+                f"(already replayed or purged? 'archive list' shows the ids)."
+            )
+        out.write(f"\n{summary}\n")
 
 
 def _write_archived(out: Output, each: archive.ArchivedEvent) -> None:

@@ -50,22 +50,23 @@ def replay(
     wanted = set(ids)
     rows = _rows().dead_events(_prefix(topology))
     chosen = [
-        row.row_id
+        row
         for row in rows
         if (not wanted or row.task_id in wanted)
         and (event is None or fnmatch.fnmatchcase(_event(row), event))
     ]
+    matched = frozenset(row.task_id for row in chosen)
     if not chosen:
-        return ReplayResult(0, len(rows), 0)
+        return ReplayResult(0, len(rows), 0, matched)
     report = (
         outbox_stores()
         .operator()
         .replay_dead_letters(
-            DeadLetterFilter(ids=tuple(chosen)),
+            DeadLetterFilter(ids=tuple(row.row_id for row in chosen)),
             progress=lambda done, total: on_progress(done, total),
         )
     )
-    return ReplayResult(report.replayed, len(rows) - report.replayed, 0)
+    return ReplayResult(report.replayed, len(rows) - report.replayed, 0, matched)
 
 
 def purge(topology: ServiceTopology) -> int:

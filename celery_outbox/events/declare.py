@@ -8,6 +8,7 @@ from typing import Any
 
 from kombu import Queue
 
+from ..broker.topics import use_rabbit_topics
 from ..conf import OutboxSettings
 from ..exceptions import OutboxConfigurationError
 from .modes import Retries, announce, resolve, transport_of
@@ -69,6 +70,8 @@ def declare(
     retries = check_broker(connection, settings)
     announce(retries, transport_of(connection), settings.events_retries, service)
     channel = connection.channel()
+    # The bindings stored on Redis route by RabbitMQ's rules for every publisher.
+    use_rabbit_topics(channel)
     try:
         for queue in queues:
             try:

@@ -26,8 +26,9 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Reject
 
+from ..text import storable
 from . import held
-from .held import ERROR_HEADER, FAILED_AT_HEADER
+from .held import ERROR_HEADER, FAILED_AT_HEADER, HEADER_ERROR_LIMIT
 from .modes import Retries
 from .once import run_handler
 from .registry import DELIVER_TASK, EVENT_HEADER, Handler, registry_of
@@ -197,7 +198,7 @@ def _republish(
     request = task.request
     headers: dict[str, Any] = {EVENT_HEADER: event_of(request)}
     if error is not None:
-        headers[ERROR_HEADER] = error[:1000]
+        headers[ERROR_HEADER] = storable(error, HEADER_ERROR_LIMIT)
         headers[FAILED_AT_HEADER] = datetime.datetime.now(
             datetime.timezone.utc
         ).isoformat()

@@ -24,12 +24,15 @@ from ..enqueue import CapturingProducer
 from ..envelope import Envelope
 from ..signals import send_created
 from ..store import outbox_stores
+from ..text import storable
 from .registry import DELIVER_TASK, EVENT_HEADER
 
 #: Headers a held event carries: why it failed, when, and after how many retries.
 ERROR_HEADER = "outbox_error"
 FAILED_AT_HEADER = "outbox_failed_at"
 RETRIES_HEADER = "outbox_retries"
+#: Characters of the error kept in :data:`ERROR_HEADER`.
+HEADER_ERROR_LIMIT = 1000
 
 
 def hold_retry(
@@ -51,7 +54,7 @@ def archive(
     retry count (the count it reached is kept in ``outbox_retries``)."""
     failed_at = datetime.datetime.now(datetime.timezone.utc).isoformat()
     extra = {
-        ERROR_HEADER: error[:1000],
+        ERROR_HEADER: storable(error, HEADER_ERROR_LIMIT),
         FAILED_AT_HEADER: failed_at,
         RETRIES_HEADER: retries,
     }

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import re
 
-from ..exceptions import OutboxConfigurationError
+from ..exceptions import OutboxConfigurationError, OutboxValueError
+from ..text import check_text
 
 _WORD = re.compile(r"[A-Za-z0-9_-]+\Z")
 #: Names RabbitMQ accepts are at most 255 bytes; ours are embedded in queue names.
@@ -44,12 +45,22 @@ def check_service(name: object) -> str:
     return name
 
 
+def check_name(name: object, what: str, where: str) -> str:
+    """``name`` if a table and a queue name can hold it; else a configuration error
+    naming the character that cannot be stored and its position."""
+    try:
+        return check_text(name, what, where)
+    except OutboxValueError as exc:
+        raise OutboxConfigurationError(str(exc)) from None
+
+
 def _check(name: str, what: str, *, wildcards: bool) -> None:
     if not isinstance(name, str) or not name or len(name) > _MAX_LENGTH:
         raise OutboxConfigurationError(
             f"An {what} must be a non-empty string of at most {_MAX_LENGTH} "
             f"characters, got {name!r}."
         )
+    check_name(name, what, f"Invalid {what}")
     for word in name.split("."):
         if wildcards and word in {"*", "#"}:
             continue

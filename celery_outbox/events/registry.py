@@ -19,7 +19,14 @@ from typing import Any
 from ..conf import get_settings
 from ..exceptions import OutboxConfigurationError
 from .modes import Retries, resolve, transport_of
-from .names import check_event_name, check_pattern, check_service, matches, overlap
+from .names import (
+    check_event_name,
+    check_name,
+    check_pattern,
+    check_service,
+    matches,
+    overlap,
+)
 from .topology import ServiceTopology, unrouted_queue
 
 logger = logging.getLogger("celery_outbox.events")
@@ -161,6 +168,7 @@ class Registry:
         task_options.setdefault(
             "name", f"{function.__module__}.{function.__qualname__}"
         )
+        check_name(task_options["name"], "handler name", f"Invalid handler {pattern!r}")
         # A handler belongs to its service: not added to every app created later.
         task_options.setdefault("shared", False)
         task = self.app.task(**task_options)(function)

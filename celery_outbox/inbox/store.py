@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -12,6 +12,19 @@ from .models import InboxEntry
 
 #: Rows one purge statement deletes: short transactions, no long lock on the table.
 PURGE_CHUNK = 1000
+#: MySQL/MariaDB's ER_LOCK_DEADLOCK.
+_MYSQL_DEADLOCK = 1213
+#: SQLSTATEs of a transaction rolled back to end a deadlock (MySQL/MariaDB's is 40001).
+_DEADLOCK_STATES = ("40001", "40P01")
+
+
+def deadlocked(exc: DatabaseError) -> bool:
+    """Whether the database chose the statement that raised ``exc`` to end a deadlock."""
+    cause = exc.__cause__
+    if getattr(cause, "sqlstate", None) in _DEADLOCK_STATES:
+        return True
+    args = getattr(cause, "args", None) or (None,)
+    return bool(args[0] == _MYSQL_DEADLOCK)
 
 
 class InboxStore:

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Ignore
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 
 from ..conf import OutboxSettings, get_settings
 from ..exceptions import OutboxValueError
 from ..store import outbox_alias
+from ..text import check_text
 from .signals import send_duplicate_skipped
 
 logger = logging.getLogger("celery_outbox.inbox")
@@ -28,6 +29,10 @@ logger = logging.getLogger("celery_outbox.inbox")
 KEY_HEADER = "inbox_key"
 #: The longest key the inbox table holds.
 MAX_KEY_LENGTH = 255
+#: Runs of the inbox transaction whose INSERT may end in a deadlock. InnoDB: copies
+#: that waited for an uncommitted row of their key hold shared locks on it; when it
+#: rolls back, two of them insert at once and one is chosen to fail.
+DEADLOCK_ATTEMPTS = 3
 
 #: The request whose inbox transaction is open in this thread (or greenlet), if any.
 _open_request: contextvars.ContextVar[object | None] = contextvars.ContextVar(
@@ -37,6 +42,11 @@ _open_request: contextvars.ContextVar[object | None] = contextvars.ContextVar(
 
 class _Duplicate(Exception):
     """The (task, key) row exists: leave the transaction without running the body."""
+
+
+class _Deadlocked(Exception):
+    """The row's INSERT, the first statement of the inbox's own transaction, was
+    chosen to break a deadlock: the transaction is gone and is run again."""
 
 
 class _DeferredRetry(Exception):
@@ -86,7 +96,7 @@ def checked_key(task_name: str, key: Any) -> str:
             f"inbox_key of {task_name} is {len(key)} characters long; the inbox holds "
             f"at most {MAX_KEY_LENGTH}. Hash a longer key (e.g. hashlib.sha256)."
         )
-    return key
+    return check_text(key, "inbox_key", f"Cannot send task {task_name}")
 
 
 if TYPE_CHECKING:
@@ -120,9 +130,15 @@ class InboxTask(_Base):
         self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         alias = inbox_alias(get_settings())
-        key = message_key(request)
+        # A key another service sent: refused with its culprit, not by the driver.
+        key = check_text(message_key(request), "inbox key", f"Cannot run {self.name}")
         try:
-            return self._run_in_transaction(alias, key, request, args, kwargs)
+            for attempt in range(1, DEADLOCK_ATTEMPTS + 1):
+                try:
+                    return self._run_in_transaction(alias, key, request, args, kwargs)
+                except _Deadlocked:
+                    if attempt == DEADLOCK_ATTEMPTS:
+                        raise
         except _Duplicate:
             self._skip(request, key, alias)
         except _DeferredRetry as deferred:
@@ -139,15 +155,23 @@ class InboxTask(_Base):
     ) -> Any:
         """INSERT the inbox row, then run the body; both commit, or neither."""
         # Imported here: this class is resolved before Django's models are loaded.
-        from .store import InboxStore
+        from .store import InboxStore, deadlocked
 
+        store = InboxStore(alias)
+        # Only a transaction of our own is whole again after a deadlock: InnoDB rolls
+        # back every statement of the deadlocked one, a caller's too.
+        own = not transaction.get_connection(alias).in_atomic_block
         token = _open_request.set(request)
         try:
             with transaction.atomic(using=alias):
                 try:
-                    InboxStore(alias).record(str(self.name), key)
+                    store.record(str(self.name), key)
                 except IntegrityError:
                     raise _Duplicate from None
+                except OperationalError as exc:
+                    if own and deadlocked(exc):
+                        raise _Deadlocked from exc
+                    raise
                 return self.run(*args, **kwargs)
         finally:
             _open_request.reset(token)
@@ -201,4 +225,6 @@ class InboxTask(_Base):
             return options
         if key is not None:
             options["headers"] = {**headers, KEY_HEADER: checked_key(self.name, key)}
+        else:  # given as a header: checked all the same, before anything is sent
+            checked_key(self.name, headers[KEY_HEADER])
         return options

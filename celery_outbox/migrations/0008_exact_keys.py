@@ -1,8 +1,16 @@
-"""Placeholder for the keys branch's 0008_exact_keys (replaced by it at merge)."""
+"""Keys compare byte for byte on MySQL/MariaDB (see :mod:`celery_outbox.collation`).
+
+Their default collations fold case, accents and trailing spaces, so distinct
+ordering, coalescing and dedup keys, or task ids, were taken for one. The columns
+get the binary collation of their character set; PostgreSQL and SQLite are left
+alone. On MySQL/MariaDB it is one ``ALTER TABLE`` per column.
+"""
 
 from __future__ import annotations
 
 from django.db import migrations
+
+from celery_outbox.collation import ExactKeys
 
 
 class Migration(migrations.Migration):
@@ -10,4 +18,9 @@ class Migration(migrations.Migration):
         ("celery_outbox", "0007_history"),
     ]
 
-    operations = []
+    operations = [
+        ExactKeys("outboxmessage", ["task_id", "ordering_key", "routing_key"]),
+        ExactKeys("deadletter", ["task_id", "ordering_key", "routing_key"]),
+        ExactKeys("historyevent", ["task_id"]),
+        ExactKeys("dedupkey", ["dedup_key", "task_id"]),
+    ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..exceptions import OutboxValueError
+from ..text import check_text
 
 #: The message header that carries the non-default options: ``strict,skip,coalesce``,
 #: and a strict row's token (``row=<32 hex digits>``).
@@ -165,4 +166,4 @@ def _text(value: Any, name: str, where: str) -> str | None:
         raise OutboxValueError(
             f"{where}: {name} must be a string, got {value!r}. Nothing was written."
         )
-    return str(value)
+    return check_text(str(value), name, where)

@@ -10,7 +10,7 @@ from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ..exceptions import OutboxConfigurationError, OutboxDatabaseError
-from .dialects import DEAD_TABLE, MESSAGE_TABLE, Dialect, dialect_for
+from .dialects import TABLES, Dialect, dialect_for
 
 #: The attribute of a Django connection object that holds its :class:`Dialect`.
 _DIALECT = "_celery_outbox_dialect"
@@ -118,4 +118,4 @@ class StoreBase:
             tables = set(connection.introspection.table_names())
         except Exception:  # unreachable, or worse: the first error says enough
             return []
-        return [table for table in (MESSAGE_TABLE, DEAD_TABLE) if table not in tables]
+        return [table for table in TABLES if table not in tables]

@@ -11,6 +11,7 @@ or takes the key (rolled back), on every database.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from django.db import IntegrityError, transaction
 
@@ -44,43 +45,66 @@ class DedupKeys(StoreBase):
         dialect = self.dialect
         until_sql, until_params = dialect.after(window)
         with self._translated(), transaction.atomic(using=self.alias):
-            try:
-                # A savepoint of its own: a refused INSERT leaves the caller's
-                # transaction usable (PostgreSQL would abort it otherwise).
-                with (
-                    transaction.atomic(using=self.alias),
-                    self.connection.cursor() as cursor,
-                ):
-                    cursor.execute(
-                        f"INSERT INTO {DEDUP_TABLE} (dedup_key, task_id, held_until) "
-                        f"VALUES (%s, %s, {until_sql})",
-                        [key, task_id, *until_params],
-                    )
-                return None
-            except IntegrityError:
-                pass
+            # InnoDB: writers that wait on the INSERT of an uncommitted key hold
+            # shared locks on it; when its transaction rolls back, two of them
+            # insert at once and deadlock. A locking read waits with an exclusive
+            # lock instead, which a rollback leaves to nobody.
+            found = self._holder(key) if dialect.duplicates_deadlock else None
+            while found is None:
+                if self._insert(key, task_id, until_sql, until_params):
+                    return None
+                found = self._holder(key)  # a concurrent writer took it first
+            holder, in_window = found
+            if in_window:
+                return holder
             with self.connection.cursor() as cursor:
-                # A locking read: the latest committed row, whatever the isolation.
-                cursor.execute(
-                    f"SELECT task_id, CASE WHEN held_until > {dialect.now()} THEN 1 "
-                    f"ELSE 0 END FROM {DEDUP_TABLE} WHERE dedup_key = %s"
-                    f"{self._for_update()}",
-                    [key],
-                )
-                holder, in_window = cursor.fetchone()
-                if int(in_window):
-                    return str(holder)
                 cursor.execute(
                     f"SELECT 1 FROM {MESSAGE_TABLE} WHERE task_id = %s", [holder]
                 )
                 if cursor.fetchone() is not None:
-                    return str(holder)  # still waiting to be published
+                    return holder  # still waiting to be published
                 cursor.execute(
                     f"UPDATE {DEDUP_TABLE} SET task_id = %s, held_until = {until_sql} "
                     f"WHERE dedup_key = %s",
                     [task_id, *until_params, key],
                 )
         return None
+
+    def _insert(
+        self, key: str, task_id: str, until_sql: str, until_params: list[Any]
+    ) -> bool:
+        """Take ``key`` with an INSERT; False when another task's row holds it."""
+        try:
+            # A savepoint of its own: a refused INSERT leaves the caller's
+            # transaction usable (PostgreSQL would abort it otherwise).
+            with (
+                transaction.atomic(using=self.alias),
+                self.connection.cursor() as cursor,
+            ):
+                cursor.execute(
+                    f"INSERT INTO {DEDUP_TABLE} (dedup_key, task_id, held_until) "
+                    f"VALUES (%s, %s, {until_sql})",
+                    [key, task_id, *until_params],
+                )
+            return True
+        except IntegrityError:
+            return False
+
+    def _holder(self, key: str) -> tuple[str, bool] | None:
+        """The task holding ``key`` and whether its window is still open; locked.
+
+        A locking read: the latest committed row, whatever the isolation. None when
+        no row holds the key.
+        """
+        with self.connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT task_id, CASE WHEN held_until > {self.dialect.now()} THEN 1 "
+                f"ELSE 0 END FROM {DEDUP_TABLE} WHERE dedup_key = %s"
+                f"{self._for_update()}",
+                [key],
+            )
+            row = cursor.fetchone()
+        return None if row is None else (str(row[0]), bool(int(row[1])))
 
     def purge_dedup_keys(self, chunk_size: int = 1000) -> int:
         """Delete keys no task holds any more (published, window over); how many."""

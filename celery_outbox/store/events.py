@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from ..envelope import Envelope, load_json
+from ..text import storable
 from .base import StoreBase
 from .dialects import (
     DEAD_TABLE,
@@ -117,7 +118,7 @@ class EventRows(StoreBase):
                 f"last_error, created_at, dead_at)"
             )
             for envelope in envelopes:
-                params += [*message_values(envelope), reason[:4000]]
+                params += [*message_values(envelope), storable(reason)]
         sql = f"{head} VALUES " + ", ".join([row] * len(envelopes))
         with self._translated(), self.connection.cursor() as cursor:
             cursor.execute(sql, params)

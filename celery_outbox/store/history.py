@@ -28,17 +28,22 @@ from django.db.models.expressions import RawSQL
 from ..conf import get_settings
 from ..exceptions import OutboxConfigurationError, OutboxDatabaseError
 from ..states import BLOCKED, PUBLISHED, RETRYING, row_state
+from ..text import storable
 from .base import StoreBase
-from .dialects import DEAD_TABLE, MESSAGE_TABLE, placeholders
+from .dialects import (
+    DEAD_TABLE,
+    HISTORY_TABLE,
+    MESSAGE_TABLE,
+    case_by_id,
+    chunked,
+    placeholders,
+)
 
-HISTORY_TABLE = "celery_outbox_history"
 REPLAYED = "replayed"
 
 _COLUMNS = (
     "task_id, task_name, event, at, enqueued_at, attempt, error, relay_id, process"
 )
-#: Reasons are cut as the outbox's ``last_error`` is.
-ERROR_LIMIT = 4000
 
 
 @dataclass(frozen=True)
@@ -174,21 +179,23 @@ class HistoryWriter(StoreBase):
         if not self.history or not ids:
             return
         dialect = self.dialect
-        among_sql, among_params = dialect.among("id", ids)
-        error_sql, error_params = _reasons(errors)
         fence, fence_params = ("lease_token = %s AND ", [token]) if token else ("", [])
-        cursor.execute(
-            f"INSERT INTO {HISTORY_TABLE} ({_COLUMNS}) SELECT task_id, task_name, "
-            f"'{event}', {dialect.now()}, created_at, attempts + {int(used)}, "
-            f"{error_sql}, %s, %s FROM {MESSAGE_TABLE} WHERE {fence}{among_sql}",
-            [
-                *error_params,
-                self.holder,
-                process_name(),
-                *fence_params,
-                *among_params,
-            ],
-        )
+        # One reason for all: one statement. A reason per row: one per chunk.
+        for chunk in [ids] if isinstance(errors, str) else chunked(ids):
+            among_sql, among_params = dialect.among("id", chunk)
+            error_sql, error_params = _reasons(errors, chunk)
+            cursor.execute(
+                f"INSERT INTO {HISTORY_TABLE} ({_COLUMNS}) SELECT task_id, task_name, "
+                f"'{event}', {dialect.now()}, created_at, attempts + {int(used)}, "
+                f"{error_sql}, %s, %s FROM {MESSAGE_TABLE} WHERE {fence}{among_sql}",
+                [
+                    *error_params,
+                    self.holder,
+                    process_name(),
+                    *fence_params,
+                    *among_params,
+                ],
+            )
 
     def record_settlement(
         self,
@@ -353,12 +360,10 @@ class HistoryLog(HistoryWriter):
         )
 
 
-def _reasons(errors: Mapping[int, str] | str) -> tuple[str, list[Any]]:
-    """SQL for each row's reason (``CASE id ...``), or for one reason for all."""
+def _reasons(
+    errors: Mapping[int, str] | str, ids: Sequence[int]
+) -> tuple[str, list[Any]]:
+    """SQL for the reason of each row of ``ids`` (``CASE id ...``), or for one for all."""
     if isinstance(errors, str):
-        return "%s", [errors[:ERROR_LIMIT]]
-    whens = " ".join(["WHEN %s THEN %s"] * len(errors))
-    params = [
-        item for pair in errors.items() for item in (pair[0], pair[1][:ERROR_LIMIT])
-    ]
-    return f"CASE id {whens} END", params
+        return "%s", [storable(errors)]
+    return case_by_id({row_id: storable(errors[row_id]) for row_id in ids})

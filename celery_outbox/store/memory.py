@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING
 
 from ..envelope import Envelope, StoredMessage
 from ..outcomes import Decision, Settlement
+from ..text import storable
 from .types import Claim, SettleReport
-
-#: The longest error text kept, as the database columns keep it.
-ERROR_LIMIT = 4000
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ class Tables:
             row.id,
             row.envelope,
             attempts,
-            error[:ERROR_LIMIT],
+            storable(error),
             row.created_at,
             now,
         )
@@ -257,7 +255,7 @@ class InMemoryStore:
         self._rows[row.id] = replace(
             row,
             attempts=row.attempts + used,
-            last_error=decision.error[:ERROR_LIMIT],
+            last_error=storable(decision.error),
             available_at=now + decision.delay,
             lease_token=None,
         )

@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import models, transaction
 
 from ..states import DEAD, REVOKED
+from ..text import storable
 from .dialects import (
     DEAD_TABLE,
     INSERT_COLUMNS,
@@ -201,7 +202,7 @@ class OperatorQueries(HistoryWriter):
                 f"last_error, created_at, dead_at) SELECT id, {columns}, attempts, %s, "
                 f"created_at, {now} FROM {MESSAGE_TABLE} "
                 f"WHERE id IN ({placeholders(free)}) ORDER BY id",
-                [reason[:4000], *free],
+                [storable(reason), *free],
             )
             cursor.execute(
                 f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(free)})",

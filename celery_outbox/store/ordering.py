@@ -288,7 +288,7 @@ class KeyedClaims(StoreBase):
                 f"UPDATE {MESSAGE_TABLE} SET state = '{BLOCKED}', attempts = attempts "
                 f"+ 1, last_error = %s, available_at = {after_sql}, lease_token = NULL, "
                 f"holder = NULL WHERE lease_token = %s AND id = %s",
-                [decision.error[:4000], *after_params, token, decision.message_id],
+                [storable(decision.error), *after_params, token, decision.message_id],
             )
             changed += int(cursor.rowcount)
         return changed
@@ -485,7 +485,7 @@ class OrderingQueries(StoreBase):
             f"created_at, dead_at) SELECT id, {columns}, {attempts}, %s, created_at, "
             f"{dialect.now()} FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)}) "
             f"ORDER BY id",
-            [error[:4000], *ids],
+            [storable(error), *ids],
         )
         cursor.execute(
             f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})", list(ids)

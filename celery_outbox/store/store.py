@@ -30,12 +30,12 @@ from ..envelope import (
 )
 from ..exceptions import (
     OutboxConfigurationError,
-    OutboxValueError,
     UnsupportedPayloadVersion,
 )
 from ..outcomes import Action, Decision, Settlement
 from ..queues import is_spec
 from ..states import DEAD
+from ..text import check_text, storable
 from .base import StoreBase
 from .dialects import (
     COLUMN_LIMITS,
@@ -44,6 +44,8 @@ from .dialects import (
     MESSAGE_COLUMNS,
     MESSAGE_TABLE,
     Dialect,
+    case_by_id,
+    chunked,
     placeholders,
 )
 from .held import HELD_ROWS, HeldRows
@@ -164,7 +166,7 @@ class OutboxWriter(StoreBase):
         row = f"(0, {placeholders(MESSAGE_COLUMNS)}, 0, %s, {now}, {now})"
         params: list[Any] = []
         for envelope in dead:
-            params.extend([*message_values(envelope), envelope.dead_reason[:4000]])
+            params.extend([*message_values(envelope), storable(envelope.dead_reason)])
         logger.warning(
             "%d task(s) written to the dead letters, never published: %s",
             len(dead),
@@ -349,25 +351,26 @@ class RelayQueries(KeyedClaims, HistoryWriter):
         *,
         count: bool,
     ) -> int:
-        """Put rows back, each with its own delay and reason: one statement for all."""
-        if not decisions:
-            return 0
-        ids = [d.message_id for d in decisions]
-        errors_sql, errors = _case_by_id(
-            {d.message_id: d.error[:4000] for d in decisions}
-        )
-        delays_sql, delays = _case_by_id(
-            {d.message_id: dialect.delay_value(d.delay) for d in decisions}
-        )
+        """Put rows back, each with its own delay and reason: a statement per chunk."""
         bump = "attempts = attempts + 1, " if count else ""
-        cursor.execute(
-            f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = {errors_sql}, "
-            f"available_at = {dialect.after_expr(delays_sql)}, lease_token = NULL, "
-            f"holder = NULL "
-            f"WHERE lease_token = %s AND id IN ({placeholders(ids)})",
-            [*errors, *delays, token, *ids],
-        )
-        return int(cursor.rowcount)
+        changed = 0
+        for chunk in chunked(decisions):
+            ids = [d.message_id for d in chunk]
+            errors_sql, errors = case_by_id(
+                {d.message_id: storable(d.error) for d in chunk}
+            )
+            delays_sql, delays = case_by_id(
+                {d.message_id: dialect.delay_value(d.delay) for d in chunk}
+            )
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET {bump}last_error = {errors_sql}, "
+                f"available_at = {dialect.after_expr(delays_sql)}, "
+                f"lease_token = NULL, holder = NULL "
+                f"WHERE lease_token = %s AND id IN ({placeholders(ids)})",
+                [*errors, *delays, token, *ids],
+            )
+            changed += int(cursor.rowcount)
+        return changed
 
     def _dead_letter(
         self, cursor: Any, dialect: Dialect, token: str, decisions: Sequence[Decision]
@@ -389,31 +392,23 @@ class RelayQueries(KeyedClaims, HistoryWriter):
         held = [int(row[0]) for row in cursor.fetchall()]
         if not held:
             return 0
-        kept = set(held)
-        reasons = {d.message_id: d.error for d in decisions if d.message_id in kept}
+        reasons = {d.message_id: d.error for d in decisions}
         self.record_outbox(cursor, DEAD, held, errors=reasons, used=1)
-        errors_sql, errors = _case_by_id(
-            {row_id: error[:4000] for row_id, error in reasons.items()}
-        )
         columns = ", ".join(MESSAGE_COLUMNS)
-        cursor.execute(
-            f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, last_error, "
-            f"created_at, dead_at) SELECT id, {columns}, attempts + 1, {errors_sql}, "
-            f"created_at, {dialect.now()} FROM {MESSAGE_TABLE} "
-            f"WHERE id IN ({placeholders(held)}) ORDER BY id",
-            [*errors, *held],
-        )
-        cursor.execute(
-            f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(held)})", held
-        )
+        for chunk in chunked(held):
+            errors_sql, errors = case_by_id(
+                {row_id: storable(reasons[row_id]) for row_id in chunk}
+            )
+            cursor.execute(
+                f"INSERT INTO {DEAD_TABLE} (original_id, {columns}, attempts, "
+                f"last_error, created_at, dead_at) SELECT id, {columns}, attempts + 1, "
+                f"{errors_sql}, created_at, {dialect.now()} FROM {MESSAGE_TABLE} "
+                f"WHERE id IN ({placeholders(chunk)}) ORDER BY id",
+                [*errors, *chunk],
+            )
+        among_sql, among_params = dialect.among("id", held)
+        cursor.execute(f"DELETE FROM {MESSAGE_TABLE} WHERE {among_sql}", among_params)
         return len(held)
-
-
-def _case_by_id(values: Mapping[int, Any]) -> tuple[str, list[Any]]:
-    """``CASE id WHEN .. THEN .. END`` choosing a value per row, with its parameters."""
-    whens = " ".join(["WHEN %s THEN %s"] * len(values))
-    params = [item for pair in values.items() for item in pair]
-    return f"CASE id {whens} END", params
 
 
 @contextlib.contextmanager
@@ -455,32 +450,11 @@ def check_fits(envelope: Envelope) -> None:
 
 
 def _check_columns(envelope: Envelope, limits: Mapping[str, int | None]) -> None:
+    where = f"Cannot enqueue task {envelope.task_name[:80]!r}"
     for column, limit in limits.items():
         value = getattr(envelope, column)
-        if value is None:
-            continue
-        if limit is not None and len(value) > limit:
-            raise OutboxValueError(
-                f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} is "
-                f"{len(value)} characters long and the outbox stores at most {limit}. "
-                f"Use a shorter {column}. Nothing was written."
-            )
-        if "\x00" in value:
-            raise OutboxValueError(
-                f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} contains "
-                f"a NUL (0x00) character, which PostgreSQL cannot store. Remove it. "
-                f"Nothing was written."
-            )
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise OutboxValueError(
-                    f"Cannot enqueue task {envelope.task_name[:80]!r}: its {column} "
-                    f"contains a lone surrogate ({value[exc.start]!r}), which cannot "
-                    f"be stored as UTF-8 text. Decode the value properly first. "
-                    f"Nothing was written."
-                ) from None
+        if value is not None:
+            check_text(value, column, where, limit=limit)
 
 
 def message_values(envelope: Envelope) -> list[Any]:

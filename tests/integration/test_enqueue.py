@@ -286,7 +286,7 @@ def test_an_ordering_key_is_stored_beside_the_message_not_in_it() -> None:
     ("option", "refusal"),
     [
         # Too wide for its column.
-        ({"ordering_key": "k" * 256}, "its ordering_key is .* at most 255"),
+        ({"ordering_key": "k" * 256}, "ordering_key is .* at most 255"),
         # With an AMQP broker the id is refused as the message's correlation_id
         # ("its task id is 300 bytes long ... at most 255") before the column says so.
         ({"task_id": "t" * 300}, "its task.id is .* at most 255"),

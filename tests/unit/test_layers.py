@@ -44,6 +44,7 @@ PLACES = {
     # Stores and brokers: every read and write of the tables, every broker call.
     "celery_outbox.backends": "stores",
     "celery_outbox.broker": "stores",
+    "celery_outbox.collation": "stores",
     "celery_outbox.migrations": "stores",
     "celery_outbox.models": "stores",
     "celery_outbox.store": "stores",

@@ -10,8 +10,10 @@ from datetime import datetime, timezone
 import pytest
 
 from celery_outbox.envelope import Envelope
+from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.store.memory import InMemoryStore
 from celery_outbox.store.memory_operator import InMemoryOperatorQueries
+from celery_outbox.text import ERROR_LIMIT, REPLACEMENT, storable
 
 from ..contract.operator_contract import OperatorContract
 from ..contract.store_contract import DeadView, EnqueueContract, StoreContract
@@ -103,3 +105,23 @@ def test_a_lease_ends_exactly_after_its_seconds() -> None:
     assert store.claim(10, 5.0).messages == ()
     clock.advance(0.5)
     assert len(store.claim(10, 5.0).messages) == 1
+
+
+def test_a_reason_no_database_stores_is_kept_as_a_database_would_keep_it() -> None:
+    store = InMemoryStore(FakeClock())
+    store.add([envelope("a"), envelope("b")])
+    claim = store.claim(10, 5.0)
+    first, second = claim.messages
+    reason = "refused\x00 \udc80 " + "x" * 5000
+    report = store.settle(
+        claim.token,
+        Settlement(
+            retry=(Decision(first.id, Action.RETRY, 1.0, reason),),
+            dead_letter=(Decision(second.id, Action.DEAD_LETTER, 0.0, reason),),
+        ),
+    )
+    assert (report.retried, report.dead_lettered) == (1, 1)
+    kept = [row.last_error for row in store.rows] + [d.last_error for d in store.dead]
+    assert kept == [storable(reason)] * 2
+    assert kept[0].startswith(f"refused{REPLACEMENT} {REPLACEMENT} xxx")
+    assert len(kept[0]) == ERROR_LIMIT

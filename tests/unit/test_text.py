@@ -58,3 +58,13 @@ def test_check_text_refuses_other_types_and_long_values() -> None:
     with pytest.raises(OutboxValueError, match="at most 3"):
         check_text("abcd", "shard", "Cannot emit", limit=3)
     assert check_text("é😀", "shard", "Cannot emit", limit=3) == "é😀"
+
+
+def test_a_long_refused_value_is_shown_around_its_culprit() -> None:
+    value = "a" * 500 + "\x00" + "b" * 500
+    with pytest.raises(OutboxValueError) as caught:
+        check_text(value, "arguments_preview", "Cannot enqueue task 'shop.send'")
+    message = str(caught.value)
+    assert f"...{'a' * 40 + chr(0) + 'b' * 40!r}..." in message
+    assert "at position 500" in message
+    assert len(message) < 400

@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...conf import get_settings
 from ...exceptions import OutboxConfigurationError, OutboxError
+from ..errors import command_error
 
 logger = logging.getLogger("celery_outbox.relay")
 
@@ -95,7 +96,7 @@ class Command(BaseCommand):
             }
             handler[options["subcommand"]](options)
         except OutboxError as exc:
-            raise CommandError(str(exc)) from exc
+            raise command_error(exc) from exc
 
     def _relay(self, options: dict[str, Any]) -> None:
         from ...relay.runner import build_relay

@@ -19,6 +19,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from ...exceptions import OutboxError
+from ..errors import command_error
+
 
 class Command(BaseCommand):
     help = "Ordered keys: stats, and retry, skip or dead-letter a blocked key's head."
@@ -41,6 +44,12 @@ class Command(BaseCommand):
         dead.add_argument("key")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            self._handle(options)
+        except OutboxError as exc:  # missing tables, an unreachable database
+            raise command_error(exc) from exc
+
+    def _handle(self, options: dict[str, Any]) -> None:
         from ...store import outbox_stores
 
         store = outbox_stores().ordering()
