@@ -129,12 +129,12 @@ def _stats(
     out: Output,
 ) -> None:
     """Messages per queue (the ``--top`` fullest), then the outbox's held retries."""
-    counts = dict(archive.stats(connection, topology))
-    if held:
-        counts["outbox: retries waiting"] = dbarchive.waiting(topology)
-        counts["outbox: archived (dead letters)"] = dbarchive.count(topology)
+    counts = archive.stats(connection, topology)
     fullest = sorted(counts, key=lambda name: -(counts[name] or 0))
     shown = {name: counts[name] for name in fullest[: options["top"]]}
+    if held:
+        shown["outbox: retries waiting"] = dbarchive.waiting(topology)
+        shown["outbox: archived (dead letters)"] = dbarchive.count(topology)
     if options["format"] == "json":
         out.write(json.dumps(shown, indent=2) + "\n")
         return
