@@ -184,7 +184,7 @@ class Stack:
         return code, proc.output()
 
     def start_handlers(self, *options: str, name: str = "handlers") -> Proc:
-        """Start ``manage.py outbox handlers`` (the handler processor), not waiting."""
+        """Start ``manage.py outbox handlers run`` (the handler processor), not waiting."""
         args = [sys.executable, "manage.py", "outbox", "handlers", "run", *options]
         return self._spawn(name, args)
 
