@@ -128,19 +128,29 @@ class OutboxCelery(Celery):
 
         return lambda function: Event(self, name, function)
 
-    def handler(
+    def subscriber(
         self, pattern: str, **options: Any
     ) -> Callable[[Callable[..., Any]], Any]:
-        """Handle the events matching ``pattern`` (``order.*``) in this app's service.
+        """Subscribe to the events matching ``pattern`` (``order.*``) in this app's service.
 
         The function becomes a task of this app; ``max_retries=`` and ``retry_for=``
-        set its broker-side retries. See :mod:`celery_outbox.events`.
+        set its retries, ``inbox=True`` runs it once per event. See
+        :mod:`celery_outbox.events`.
         """
         from .events import registry_of
 
-        return lambda function: registry_of(self).add_handler(
+        return lambda function: registry_of(self).add_subscriber(
             pattern, function, **options
         )
+
+    def handler(
+        self, pattern: str, **options: Any
+    ) -> Callable[[Callable[..., Any]], Any]:
+        """Deprecated: :meth:`subscriber` (``@app.handler`` is its old name)."""
+        from .events.registry import _renamed
+
+        _renamed("@app.handler", "@app.subscriber")
+        return self.subscriber(pattern, **options)
 
     def _publish_after_commit(self, alias: str, task_ids: Sequence[str]) -> None:
         if self._outbox_commit_publisher is None:
