@@ -42,9 +42,10 @@ class OutboxCelery(Celery):
     """
 
     #: Celery's ``DjangoTask`` plus the opt-in inbox (``@app.task(inbox=True)``) and
-    #: the ordering defaults (``@app.task(ordering="strict")``); no-ops for tasks
-    #: that do not use them. A ``task_cls=`` argument still wins.
-    task_cls = "celery_outbox.ordering.task:OrderedTask"
+    #: the ordering defaults (``@app.task(ordering="strict")``), composed in
+    #: :mod:`celery_outbox.task`; no-ops for tasks that do not use them. A
+    #: ``task_cls=`` argument still wins (derive it from ``OutboxTask``).
+    task_cls = "celery_outbox.task:OutboxTask"
     #: Celery's remote control, whose ``revoke()`` first deletes a task's outbox row
     #: (:mod:`celery_outbox.revoke`).
     control_cls = "celery_outbox.revoke:OutboxControl"
