@@ -53,11 +53,11 @@ class _Deadlocked(Exception):
     chosen to break a deadlock: the transaction is gone and is run again."""
 
 
-class _DeferredRetry(Exception):
+class _RetryAfterRollback(Exception):
     """``retry()`` was called inside the inbox transaction; it is sent after the rollback."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("retry deferred until the inbox transaction rolled back")
+        super().__init__("retry sent once the inbox transaction rolled back")
         self.retry_args = args
         self.retry_kwargs = kwargs
 
@@ -148,9 +148,9 @@ class InboxMixin(_Base):
                         raise
         except _Duplicate:
             self._skip(request, key, alias)
-        except _DeferredRetry as deferred:
+        except _RetryAfterRollback as after:
             # The transaction is gone: the retry message is written (or sent) for real.
-            return super().retry(*deferred.retry_args, **deferred.retry_kwargs)
+            return super().retry(*after.retry_args, **after.retry_kwargs)
 
     def _run_in_transaction(
         self,
@@ -204,7 +204,7 @@ class InboxMixin(_Base):
         transaction the failure rolls back, and be lost with it.
         """
         if _open_request.get() is self.request:
-            raise _DeferredRetry(args, kwargs)
+            raise _RetryAfterRollback(args, kwargs)
         return super().retry(*args, **kwargs)
 
     def apply_async(self, *args: Any, **options: Any) -> Any:
