@@ -1,7 +1,7 @@
 """The events part of the benchmark: events fired to two services, on each broker.
 
 For each broker (RabbitMQ, Redis) two services (``billing``, ``shipping``) declare
-one handler each (``order.*``, ``order.created``) under an exchange of this run. The
+one subscriber each (``order.*``, ``order.created``) under an exchange of this run. The
 part fires ``order.created`` in transactions of ``PER_COMMIT`` events (the fire cost
 is the time per event of those transactions), then drains the outbox with an
 in-process relay (``until_empty``) and checks that each service's queue holds every
@@ -11,7 +11,7 @@ relay pushes one per bound list). Each figure is the median of the repeats.
 
 Then, end to end (``bench.events_e2e``): a relay process and one worker process per
 service handle events fired to both services, in transactions of ``PER_COMMIT`` and
-in one burst (handled/s, from the first commit to the last handled), and a handler failing three times measures the retry delays
+in one burst (handled/s, from the first commit to the last handled), and a subscriber failing three times measures the retry delays
 against the steps 1, 2 and 4 s: held by RabbitMQ's TTL queues, by the database on
 Redis. One run per broker.
 """
@@ -219,7 +219,7 @@ def _render_e2e(results: dict[str, E2EResult], sizes: E2ESizes) -> str:
             )
     lines.append(
         f"  retry delays: {sizes.probes} events x {len(names)} services failing "
-        f"{E2E_STEPS} times, steps 1, 2, 4 s, between a handler's attempts"
+        f"{E2E_STEPS} times, steps 1, 2, 4 s, between a subscriber's attempts"
     )
     lines.append(
         f"  {'broker':<10} {'retries held by':<24} {'delays':>6} "

@@ -5,12 +5,12 @@ Celery worker per service of ``bench.events_services`` (threads pool, 4 threads)
 all with ``bench.events_settings``, then:
 
 * **handled/s**: fires ``order.created`` in transactions of ``PER_COMMIT``, then
-  again all in one transaction (a burst, which the handlers, not the firing, bound),
+  again all in one transaction (a burst, which the subscribers, not the firing, bound),
   and times from the first commit returning to the last event each service's
-  handler ran (handlers record the monotonic clock; all processes share the
+  subscriber ran (subscribers record the monotonic clock; all processes share the
   machine's). Every fired event must be handled by both services, or the run fails;
   copies handled twice are counted.
-* **retry delay error**: fires ``probe.retry`` events whose handler fails three
+* **retry delay error**: fires ``probe.retry`` events whose subscriber fails three
   times in each service, then succeeds; the delays between a probe's attempts are
   compared with the steps 1, 2 and 4 s. RabbitMQ holds the retries in TTL queues,
   Redis leaves them to the database (outbox rows the relay publishes when due).
@@ -36,7 +36,7 @@ from typing import Any
 from bench import env
 from bench.events_records import HANDLED, PROBED, Records, service_name
 
-#: Each service's handlers: (service, its patterns).
+#: Each service's subscribers: (service, its patterns).
 E2E_SERVICES = (
     ("billing", ("order.*", "probe.retry")),
     ("shipping", ("order.created", "probe.retry")),
@@ -47,7 +47,7 @@ STEPS = 3
 PER_COMMIT = 100
 #: Threads of each service's worker.
 CONCURRENCY = 4
-#: How long a process may take to come up, and the handlers to finish (s).
+#: How long a process may take to come up, and the subscribers to finish (s).
 STARTUP_TIMEOUT = 60.0
 HANDLE_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0
@@ -224,7 +224,7 @@ def _shop(kind: str) -> Shop:
 
     @app.event("probe.retry")
     def probe_retry(number: int) -> None:
-        """Fails in each service's handler STEPS times, then succeeds."""
+        """Fails in each service's subscriber STEPS times, then succeeds."""
 
     return Shop(app, order_created, probe_retry)
 

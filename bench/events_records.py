@@ -1,4 +1,4 @@
-"""What the handlers of the events part's services ran, kept in Redis.
+"""What the subscribers of the events part's services ran, kept in Redis.
 
 The services (``bench.events_services``) write, the driver (``bench.events_e2e``)
 reads: one Redis list per service and kind, named after the run's events exchange,
@@ -14,7 +14,7 @@ import redis
 
 from bench import env
 
-#: The lists handlers record into: events handled, probe attempts.
+#: The lists subscribers record into: events handled, probe attempts.
 HANDLED = "handled"
 PROBED = "probed"
 

@@ -4,7 +4,7 @@ Each is its own Celery app, as separate services would be, run by one worker pro
 (``celery -A bench.events_services:billing worker``). ``billing`` handles ``order.*``
 and ``shipping`` ``order.created``; both handle ``probe.retry``, which fails
 ``PROBE_FAILURES`` times before it succeeds, so that the part can time the retries.
-Handlers record what they ran, with the time (monotonic clock), in Redis lists named
+Subscribers record what they ran, with the time (monotonic clock), in Redis lists named
 after the run's events exchange.
 """
 
@@ -23,7 +23,7 @@ PROBE_FAILURES = 3
 
 
 class ProbeFailure(RuntimeError):
-    """Raised on purpose by the probe handler, to be retried."""
+    """Raised on purpose by the probe subscriber, to be retried."""
 
 
 def _records() -> Records:
@@ -49,25 +49,25 @@ billing = service_app("billing")
 shipping = service_app("shipping")
 
 
-@billing.handler("order.*")
+@billing.subscriber("order.*")
 def billing_order(order_id: int, total: str) -> None:
     """Billing handles every order event."""
     _records().add(service_name("billing"), HANDLED, order_id)
 
 
-@billing.handler("probe.retry")
+@billing.subscriber("probe.retry")
 def billing_probe(number: int) -> None:
     """Billing's retry probe."""
     probe("billing", number)
 
 
-@shipping.handler("order.created")
+@shipping.subscriber("order.created")
 def shipping_order(order_id: int, total: str) -> None:
     """Shipping handles created orders."""
     _records().add(service_name("shipping"), HANDLED, order_id)
 
 
-@shipping.handler("probe.retry")
+@shipping.subscriber("probe.retry")
 def shipping_probe(number: int) -> None:
     """Shipping's retry probe."""
     probe("shipping", number)

@@ -98,7 +98,7 @@ class VendorResult:
 
 
 def make_tasks() -> dict[str, Any]:
-    """The four tasks, on the bench's ``OutboxCelery`` app (whose class is InboxTask)."""
+    """The four tasks, on the bench's ``OutboxCelery`` app (whose class is OutboxTask)."""
     from django.db import transaction
 
     from bench.celery import app

@@ -413,7 +413,7 @@ def prebuilt_envelope() -> Any:
     """The message of one ``noop.delay()``, as the enqueue path hands it to the store.
 
     Made by a real call inside a block that then rolls back: the write-on-commit
-    engine holds the message instead of writing it, so nothing reaches the table.
+    engine buffers the message instead of writing it, so nothing reaches the table.
     """
     from django.db import connections, transaction
 
@@ -424,7 +424,7 @@ def prebuilt_envelope() -> Any:
     try:
         with transaction.atomic(using="commit"):
             noop.delay(1)
-            envelopes, _ = connections["commit"].outbox_held_rows.take()
+            envelopes, _ = connections["commit"].outbox_row_buffer.take()
             transaction.set_rollback(True, using="commit")
     finally:
         OutboxRouter.alias = "default"

@@ -42,9 +42,10 @@ class OutboxCelery(Celery):
     """
 
     #: Celery's ``DjangoTask`` plus the opt-in inbox (``@app.task(inbox=True)``) and
-    #: the ordering defaults (``@app.task(ordering="strict")``); no-ops for tasks
-    #: that do not use them. A ``task_cls=`` argument still wins.
-    task_cls = "celery_outbox.ordering.task:OrderedTask"
+    #: the ordering defaults (``@app.task(ordering="strict")``), composed in
+    #: :mod:`celery_outbox.task`; no-ops for tasks that do not use them. A
+    #: ``task_cls=`` argument still wins (derive it from ``OutboxTask``).
+    task_cls = "celery_outbox.task:OutboxTask"
     #: Celery's remote control, whose ``revoke()`` first deletes a task's outbox row
     #: (:mod:`celery_outbox.revoke`).
     control_cls = "celery_outbox.revoke:OutboxControl"
@@ -128,19 +129,29 @@ class OutboxCelery(Celery):
 
         return lambda function: Event(self, name, function)
 
-    def handler(
+    def subscriber(
         self, pattern: str, **options: Any
     ) -> Callable[[Callable[..., Any]], Any]:
-        """Handle the events matching ``pattern`` (``order.*``) in this app's service.
+        """Subscribe to the events matching ``pattern`` (``order.*``) in this app's service.
 
         The function becomes a task of this app; ``max_retries=`` and ``retry_for=``
-        set its broker-side retries. See :mod:`celery_outbox.events`.
+        set its retries, ``inbox=True`` runs it once per event. See
+        :mod:`celery_outbox.events`.
         """
         from .events import registry_of
 
-        return lambda function: registry_of(self).add_handler(
+        return lambda function: registry_of(self).add_subscriber(
             pattern, function, **options
         )
+
+    def handler(
+        self, pattern: str, **options: Any
+    ) -> Callable[[Callable[..., Any]], Any]:
+        """Deprecated: :meth:`subscriber` (``@app.handler`` is its old name)."""
+        from .events.registry import _renamed
+
+        _renamed("@app.handler", "@app.subscriber")
+        return self.subscriber(pattern, **options)
 
     def _publish_after_commit(self, alias: str, task_ids: Sequence[str]) -> None:
         if self._outbox_commit_publisher is None:

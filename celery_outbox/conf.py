@@ -88,7 +88,7 @@ class OutboxSettings:
     handler_retry_max_seconds: float = 3600.0
     #: Events (``celery_outbox.events``): the topic exchange events are published to.
     events_exchange: str = "events"
-    #: Broker-side retry steps of a failed handler: delays of 1, 2, 4 ... 2^(n-1) s.
+    #: Broker-side retry steps of a failed event subscriber: delays of 1, 2, 4 ... 2^(n-1) s.
     events_max_retries: int = 10
     #: Seconds an archived event is kept in a service's archive queue (7 days).
     events_archive_ttl: float = 7 * 86400.0
@@ -96,7 +96,7 @@ class OutboxSettings:
     events_archive_max_length: int = 10_000
     #: ``"classic"`` or ``"quorum"``: the type of event, retry and archive queues.
     events_queue_type: str = "classic"
-    #: Where a failed handler's retries wait: ``"broker"`` (TTL queues, RabbitMQ),
+    #: Where a failed event subscriber's retries wait: ``"broker"`` (TTL queues, RabbitMQ),
     #: ``"database"`` (delayed outbox rows) or ``"auto"`` (broker on RabbitMQ, else database).
     events_retries: str = "auto"
     #: A task whose ETA (``countdown``, ``eta``) is more than this many seconds away

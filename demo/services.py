@@ -20,12 +20,12 @@ ORDER_PLACED = "demo.order.placed"
 
 
 def service(name: str) -> OutboxCelery:
-    """The app of service ``name``, whose handler records each event it got."""
+    """The app of service ``name``, whose subscriber records each event it got."""
     app = OutboxCelery(f"demo-{name}")
     app.config_from_object("django.conf:settings", namespace="CELERY")
     announce_when_ready(app)
 
-    @app.handler("demo.order.*")
+    @app.subscriber("demo.order.*")
     def on_order(order_number: str, **_: Any) -> None:
         from django.utils import timezone
 

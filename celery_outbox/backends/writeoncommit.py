@@ -2,7 +2,7 @@
 
 With a stock backend every ``send_task`` inside ``atomic()`` costs one INSERT round
 trip to the database. :class:`WriteOnCommitMixin`, mixed into a PostgreSQL
-``DatabaseWrapper`` (``ENGINE = "celery_outbox.backends.postgresql"``), holds those
+``DatabaseWrapper`` (``ENGINE = "celery_outbox.backends.postgresql"``), buffers those
 rows on the connection instead and writes them:
 
 * before the next statement Django runs on the connection, so everything the
@@ -25,7 +25,7 @@ from django.db import DatabaseError
 from django.db.backends.postgresql.psycopg_any import is_psycopg3
 from django.db.backends.utils import debug_transaction
 
-from ..store.held import HeldRows
+from ..store.buffer import RowBuffer
 from ..store.notify import HINTS
 from ..store.store import OutboxWriter
 
@@ -38,26 +38,26 @@ else:
 
 
 class WriteOnCommitMixin(_Wrapper):
-    """A ``DatabaseWrapper`` mixin that sends held outbox rows with the next statement or ``COMMIT``.
+    """A ``DatabaseWrapper`` mixin that sends buffered outbox rows with the next statement or ``COMMIT``.
 
     Put it first: ``class DatabaseWrapper(WriteOnCommitMixin, postgis.DatabaseWrapper)``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.outbox_held_rows = HeldRows()
+        self.outbox_row_buffer = RowBuffer()
         #: The transaction's open savepoints, oldest first (Django's ``savepoint_ids``
         #: counts only those of ``atomic()``).
         self._outbox_savepoints: list[str] = []
-        #: A write of held rows that failed in this transaction and was not rolled
+        #: A write of buffered rows that failed in this transaction and was not rolled
         #: back since: (how many savepoints were open then, what went wrong).
         self._outbox_failure: tuple[int, str] | None = None
         # First in the list, so it runs before any wrapper the application adds.
-        self.execute_wrappers.insert(0, self._write_held_rows_first)
+        self.execute_wrappers.insert(0, self._write_buffered_rows_first)
 
-    def write_held_rows(self) -> None:
-        """Send the held rows now, in a statement of their own."""
-        envelopes, notify = self.outbox_held_rows.take()
+    def write_buffered_rows(self) -> None:
+        """Send the buffered rows now, in a statement of their own."""
+        envelopes, notify = self.outbox_row_buffer.take()
         if envelopes:
             try:
                 OutboxWriter(self.alias).write(envelopes, notify=notify)
@@ -70,24 +70,24 @@ class WriteOnCommitMixin(_Wrapper):
                 raise
 
     def connect(self) -> None:
-        # A new session continues no transaction: nothing held may travel into it.
+        # A new session continues no transaction: nothing buffered may travel into it.
         self._outbox_forget_transaction()
         super().connect()
 
     def _outbox_forget_transaction(self) -> None:
-        self.outbox_held_rows.clear()
+        self.outbox_row_buffer.clear()
         self._outbox_savepoints.clear()
         self._outbox_failure = None
 
     def _set_autocommit(self, autocommit: bool) -> None:
-        if autocommit and self.outbox_held_rows:
+        if autocommit and self.outbox_row_buffer:
             # Left over from a block that never committed (manual transactions): they
             # go into its transaction, which the driver then refuses to leave open,
             # as it would with the stock engine. Never into autocommit.
-            self.write_held_rows()
+            self.write_buffered_rows()
         super()._set_autocommit(autocommit)  # type: ignore[misc]  # not in django-stubs
 
-    def _write_held_rows_first(
+    def _write_buffered_rows_first(
         self,
         execute: Callable[..., Any],
         sql: Any,
@@ -95,8 +95,8 @@ class WriteOnCommitMixin(_Wrapper):
         many: bool,
         context: dict[str, Any],
     ) -> Any:
-        if self.outbox_held_rows:
-            self.write_held_rows()
+        if self.outbox_row_buffer:
+            self.write_buffered_rows()
         return execute(sql, params, many, context)
 
     def _commit(self) -> None:
@@ -111,17 +111,17 @@ class WriteOnCommitMixin(_Wrapper):
                 f"catch it outside an atomic() block of its own."
             )
         self._outbox_savepoints.clear()
-        if not self.outbox_held_rows or self.connection is None:
+        if not self.outbox_row_buffer or self.connection is None:
             super()._commit()  # type: ignore[misc]  # not in django-stubs
             return
         if not is_psycopg3:
             # psycopg2 keeps its own idea of the transaction: one more round trip.
-            self.write_held_rows()
+            self.write_buffered_rows()
             super()._commit()  # type: ignore[misc]
             return
         from psycopg import ClientCursor  # psycopg 3 only, which is_psycopg3 checked
 
-        envelopes, notify = self.outbox_held_rows.take()
+        envelopes, notify = self.outbox_row_buffer.take()
         # Decided now, not when the rows were enqueued: a hint another transaction
         # committed since then (or one that rolled back) is what counts.
         notify = notify and HINTS.due()
@@ -161,9 +161,9 @@ class WriteOnCommitMixin(_Wrapper):
         self._outbox_savepoints.append(sid)
 
     def _savepoint_rollback(self, sid: str) -> None:
-        # SAVEPOINT went through the execute wrapper, which sent what was held then:
-        # whatever is held now was sent inside this savepoint, and rolls back with it.
-        self.outbox_held_rows.clear()
+        # SAVEPOINT went through the execute wrapper, which sent what was buffered then:
+        # whatever is buffered now was sent inside this savepoint, and rolls back with it.
+        self.outbox_row_buffer.clear()
         super()._savepoint_rollback(sid)  # type: ignore[misc]
         if sid in self._outbox_savepoints:
             kept = self._outbox_savepoints.index(sid) + 1  # it stays, emptied

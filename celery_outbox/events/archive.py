@@ -101,7 +101,7 @@ def replay(
     ids: Sequence[str] = (),
     on_progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> ReplayResult:
-    """Put archived events back into their handler's queue with a fresh retry count.
+    """Put archived events back into their subscriber's queue with a fresh retry count.
 
     ``event`` (a glob) and ``ids`` select; none of them selects every event. Each
     event is acked in the archive only after the broker confirmed its new copy.

@@ -46,7 +46,7 @@ def replay(
     on_progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> ReplayResult:
     """Put selected archived events back into the outbox, due now, each for its
-    handler's queue (their retry count starts again at 0)."""
+    subscriber's queue (their retry count starts again at 0)."""
     wanted = set(ids)
     rows = _rows().dead_events(_prefix(topology))
     chosen = [

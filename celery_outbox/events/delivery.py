@@ -1,8 +1,8 @@
-"""The delivering task: run the handler; on failure, retry on the broker or archive.
+"""The delivering task: run the subscriber; on failure, retry on the broker or archive.
 
-A failed handler's message is published again by the worker itself, into retry step
+A failed subscriber's message is published again by the worker itself, into retry step
 ``n`` (a queue whose TTL holds it ``2^n`` s, then dead-letters it back to the
-handler's queue only) with ``retries = n + 1``; after the last step it is published
+subscriber's queue only) with ``retries = n + 1``; after the last step it is published
 to the service's archive. The original message is acked only after that publish
 returned (with publisher confirms), so a crash in between redelivers it: nothing is
 held in worker memory and the count is exact, which rejection-based routing cannot
@@ -30,8 +30,8 @@ from ..text import storable
 from . import held
 from .held import ERROR_HEADER, FAILED_AT_HEADER, HEADER_ERROR_LIMIT
 from .modes import Retries
-from .once import run_handler
-from .registry import DELIVER_TASK, EVENT_HEADER, Handler, registry_of
+from .once import run_subscriber
+from .registry import DELIVER_TASK, EVENT_HEADER, Subscriber, registry_of
 from .topology import ServiceTopology, retry_delay
 
 logger = logging.getLogger("celery_outbox.events")
@@ -40,7 +40,7 @@ __all__ = ["ERROR_HEADER", "FAILED_AT_HEADER", "Decision", "Fate", "decide", "de
 
 
 class Fate(enum.Enum):
-    """What happens to an event whose handler raised."""
+    """What happens to an event whose subscriber raised."""
 
     RETRY = "retry"
     ARCHIVE = "archive"
@@ -62,14 +62,14 @@ def decide(retries: int, steps: int, retryable: bool) -> Decision:
 
 
 def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
-    """Body of :data:`~.registry.DELIVER_TASK`: one event, one handler of this service."""
+    """Body of :data:`~.registry.DELIVER_TASK`: one event, one subscriber in this service."""
     request = task.request
     event = event_of(request)
     registry = registry_of(task.app)
     topology = registry.topology()
-    handler = registry.handler_for(event) if isinstance(event, str) else None
-    if handler is None:
-        # A handler removed while its queue still held events: keep them for replay.
+    subscriber = registry.subscriber_for(event) if isinstance(event, str) else None
+    if subscriber is None:
+        # A subscriber removed while its queue still held events: keep them for replay.
         queue = _queue_of(request)
         if not queue.startswith(f"{topology.prefix}:"):
             queue = f"{topology.prefix}:{event}"
@@ -80,15 +80,15 @@ def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
             args,
             kwargs,
             _retries(request),
-            f"no handler of {event!r} in this service",
+            f"no subscriber to {event!r} in this service",
         )
         return
-    queue = topology.queue_name(handler.pattern)
+    queue = topology.queue_name(subscriber.pattern)
     try:
-        run_handler(handler.task, topology.service, str(request.id), args, kwargs)
+        run_subscriber(subscriber.task, topology.service, str(request.id), args, kwargs)
     except Exception as exc:
         try:
-            _after_failure(task, handler, topology, queue, exc, args, kwargs)
+            _after_failure(task, subscriber, topology, queue, exc, args, kwargs)
         except Exception as lost:
             if topology.retries is Retries.BROKER:
                 raise  # rejected: the queue dead-letters it into retry step 0
@@ -104,7 +104,7 @@ def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
 
 def _after_failure(
     task: Any,
-    handler: Handler,
+    subscriber: Subscriber,
     topology: ServiceTopology,
     queue: str,
     exc: Exception,
@@ -113,13 +113,15 @@ def _after_failure(
 ) -> None:
     request = task.request
     retries = _retries(request)
-    decision = decide(retries, handler.steps(), isinstance(exc, handler.retry_for))
+    decision = decide(
+        retries, subscriber.steps(), isinstance(exc, subscriber.retry_for)
+    )
     if decision.fate is Fate.RETRY:
         logger.warning(
             "event %s (%s) failed in %s, retry %d in %.0f s: %r",
             event_of(request),
             request.id,
-            handler.task.name,
+            subscriber.task.name,
             retries + 1,
             2**decision.step,
             exc,
@@ -135,7 +137,7 @@ def _after_failure(
         "event %s (%s) failed in %s after %d retries, archived: %r",
         event_of(request),
         request.id,
-        handler.task.name,
+        subscriber.task.name,
         retries,
         exc,
     )

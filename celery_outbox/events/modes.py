@@ -1,6 +1,6 @@
-"""Where a failed handler's retries wait: on the broker or in the database.
+"""Where a failed subscriber's retries wait: on the broker or in the database.
 
-RabbitMQ holds them in TTL queues that dead-letter back to the handler's queue.
+RabbitMQ holds them in TTL queues that dead-letter back to the subscriber's queue.
 Redis has neither message TTLs nor dead-letter exchanges: there each retry is an
 outbox row due ``2^n`` seconds later, and an event whose retries are used up is a
 dead letter of the outbox. ``CELERY_OUTBOX_EVENTS_RETRIES`` chooses (``"auto"``: the
@@ -53,7 +53,7 @@ def announce(retries: Retries, transport: str, setting: str, service: str) -> No
         logger.warning(
             "events: the broker of service %s is %s, which has no message TTLs or "
             "dead-letter exchanges: broker-side retries are not available. Failed "
-            "handlers are retried through the outbox (rows due 1, 2, 4 ... s later) and "
+            "subscribers are retried through the outbox (rows due 1, 2, 4 ... s later) and "
             "archived as dead letters. Set CELERY_OUTBOX_EVENTS_RETRIES = 'database' "
             "to say so and silence this warning.",
             service,

@@ -1,4 +1,4 @@
-"""Event names, handler patterns and the service name: checks and topic matching.
+"""Event names, subscriber patterns and the service name: checks and topic matching.
 
 All pure: no broker, no Django. A pattern follows RabbitMQ's topic syntax: words
 separated by dots, ``*`` stands for exactly one word and ``#`` for zero or more.
@@ -24,8 +24,8 @@ def check_event_name(name: str) -> str:
 
 
 def check_pattern(pattern: str) -> str:
-    """``pattern`` if it is a valid handler pattern (``order.created``, ``order.*``)."""
-    _check(pattern, "handler pattern", wildcards=True)
+    """``pattern`` if it is a valid subscriber pattern (``order.created``, ``order.*``)."""
+    _check(pattern, "subscriber pattern", wildcards=True)
     return pattern
 
 
@@ -33,7 +33,7 @@ def check_service(name: object) -> str:
     """The service name of an app's ``main``; refuses a missing or default one."""
     if not isinstance(name, str) or not name or name == "__main__":
         raise OutboxConfigurationError(
-            f"An app with event handlers needs a unique service name, got {name!r}: "
+            f"An app with event subscribers needs a unique service name, got {name!r}: "
             f"create it as OutboxCelery('billing'). Services sharing one name share "
             f"its queues, so each would get only some of the events."
         )
@@ -82,7 +82,7 @@ def overlap(first: str, second: str) -> bool:
 
     A service must not have two patterns that overlap: the event would reach two of
     its queues and, without knowing which queue a copy came from, both copies would
-    run the same handler.
+    run the same subscriber.
     """
     return _overlap(tuple(first.split(".")), tuple(second.split(".")))
 

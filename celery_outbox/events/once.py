@@ -1,9 +1,9 @@
-"""A handler's inbox: its body runs once per event, however often the event arrives.
+"""A subscriber's inbox: its body runs once per event, however often the event arrives.
 
-``@app.handler("order.created", inbox=True)`` (or ``CELERY_OUTBOX_INBOX = True``)
-runs the handler inside ``transaction.atomic()`` on the inbox alias, after an
-INSERT of (``<service>:<handler task name>``, event id) into the inbox table; both
-commit together. A second delivery of the event to that handler (a redelivery, a
+``@app.subscriber("order.created", inbox=True)`` (or ``CELERY_OUTBOX_INBOX = True``)
+runs the subscriber inside ``transaction.atomic()`` on the inbox alias, after an
+INSERT of (``<service>:<subscriber task name>``, event id) into the inbox table; both
+commit together. A second delivery of the event to that subscriber (a redelivery, a
 duplicate publish) finds the row and is acknowledged without running the body. A
 failing body rolls the row back with its own writes, so the retry runs it again.
 """
@@ -22,27 +22,29 @@ logger = logging.getLogger("celery_outbox.events")
 
 
 class _Duplicate(Exception):
-    """The (handler, event) row exists: leave the transaction without running it."""
+    """The (subscriber, event) row exists: leave the transaction without running it."""
 
 
 def uses_inbox(task: Any) -> bool:
-    """Whether the handler's task asks for the inbox (``inbox=True`` or the setting)."""
+    """Whether the subscriber's task asks for the inbox (``inbox=True`` or the setting)."""
     check = getattr(task, "uses_inbox", None)
     return bool(check()) if callable(check) else False
 
 
 def inbox_name(service: str, task_name: str) -> str:
-    """The inbox's task name of a handler: the event id is its key per (service, handler)."""
+    """The inbox's task name of a subscriber: the event id is its key per (service, subscriber)."""
     return f"{service}:{task_name}"[:MAX_KEY_LENGTH]
 
 
-def run_handler(task: Any, service: str, event_id: str, args: Any, kwargs: Any) -> bool:
-    """Run the handler's task on the event; returns False when its inbox says it
+def run_subscriber(
+    task: Any, service: str, event_id: str, args: Any, kwargs: Any
+) -> bool:
+    """Run the subscriber's task on the event; returns False when its inbox says it
     already ran for this event (nothing ran)."""
     if not uses_inbox(task):
         task(*args, **kwargs)
         return True
-    # Imported here: handlers are declared before Django's models are loaded.
+    # Imported here: subscribers are declared before Django's models are loaded.
     from ..inbox.signals import send_duplicate_skipped
     from ..inbox.store import InboxStore
 

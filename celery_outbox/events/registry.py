@@ -1,16 +1,21 @@
-"""Events and handlers of one Celery app, and the task that delivers events to them.
+"""Events and subscribers of one Celery app, and the task that delivers events to them.
 
 Every event is one message whose Celery task name is :data:`DELIVER_TASK` in every
 service, with the event name in the ``outbox_event`` header and the arguments as the
 task's arguments. Each service registers its own task of that name (done by the
-first ``@app.handler``): it finds the service's one handler whose pattern matches the
-event and calls it. A service's patterns may not overlap, so each copy of an event
-reaches exactly one of its queues and one handler runs it.
+first ``@app.subscriber``): it finds the service's one subscriber whose pattern
+matches the event and calls it. A service's patterns may not overlap, so each copy of
+an event reaches exactly one of its queues and one subscriber runs it.
+
+"Subscriber" is the events' word; ``celery_outbox.handlers`` (the handler outbox) has
+receivers. The old spellings (``@app.handler``, :class:`Handler`,
+``Registry.handlers``) still work and warn.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,16 +44,16 @@ EVENT_HEADER = "outbox_event"
 #: The consumer defaults of the delivering task. Override any of them with Celery's
 #: own ``task_annotations = {"celery_outbox.events.deliver": {"acks_late": False}}``.
 CONSUMER_DEFAULTS: dict[str, Any] = {
-    "acks_late": True,  # ack after the handler ran (or its retry was published)
+    "acks_late": True,  # ack after the subscriber ran (or its retry was published)
     "reject_on_worker_lost": True,  # a killed worker's message is redelivered
     "acks_on_failure_or_timeout": False,  # rejected: dead-lettered into retry step 0
-    "ignore_result": True,  # several services handle one event: no single result
+    "ignore_result": True,  # several services subscribe to one event: no single result
 }
 
 
 @dataclass(frozen=True)
-class Handler:
-    """One handler of one service: its pattern, its task and its retry policy."""
+class Subscriber:
+    """One subscriber of one service: its pattern, its task and its retry policy."""
 
     pattern: str
     task: Any
@@ -101,11 +106,11 @@ class Event:
 
 
 class Registry:
-    """The events and handlers declared on one app."""
+    """The events and subscribers declared on one app."""
 
     def __init__(self, app: Any) -> None:
         self._app = weakref.ref(app)
-        self.handlers: dict[str, Handler] = {}
+        self.subscribers: dict[str, Subscriber] = {}
         self._deliver_registered = False
         self._retries: dict[tuple[str, str], Retries] = {}
 
@@ -123,7 +128,7 @@ class Registry:
     def topology(self) -> ServiceTopology:
         settings = get_settings()
         return ServiceTopology(
-            settings, self.service, tuple(self.handlers), self.retries()
+            settings, self.service, tuple(self.subscribers), self.retries()
         )
 
     def transport(self) -> str:
@@ -140,7 +145,7 @@ class Registry:
             found = self._retries[key] = resolve(setting, self.transport())
         return found
 
-    def add_handler(
+    def add_subscriber(
         self,
         pattern: str,
         function: Callable[..., Any],
@@ -149,39 +154,62 @@ class Registry:
         retry_for: tuple[type[BaseException], ...] = (Exception,),
         **task_options: Any,
     ) -> Any:
-        """Register ``function`` as this service's handler of ``pattern``; returns its task."""
+        """Register ``function`` as this service's subscriber to ``pattern``; returns its task."""
         check_pattern(pattern)
         service = self.service
         _refuse_shared_service(self, service)
-        for existing in self.handlers:
+        for existing in self.subscribers:
             if overlap(existing, pattern):
                 raise OutboxConfigurationError(
-                    f"Service {service!r} already handles {existing!r}, and "
+                    f"Service {service!r} already subscribes to {existing!r}, and "
                     f"{pattern!r} can match the same events: one event would reach "
-                    f"two of its queues. Handle both in one handler, or use patterns "
+                    f"two of its queues. Take both in one subscriber, or use patterns "
                     f"that do not overlap."
                 )
         if max_retries is not None and not 0 <= max_retries <= 24:
             raise OutboxConfigurationError(
-                f"max_retries of the handler of {pattern!r} must be 0-24, got {max_retries!r}."
+                f"max_retries of the subscriber to {pattern!r} must be 0-24, got "
+                f"{max_retries!r}."
             )
         task_options.setdefault(
             "name", f"{function.__module__}.{function.__qualname__}"
         )
-        check_name(task_options["name"], "handler name", f"Invalid handler {pattern!r}")
-        # A handler belongs to its service: not added to every app created later.
+        check_name(
+            task_options["name"], "subscriber name", f"Invalid subscriber {pattern!r}"
+        )
+        # A subscriber belongs to its service: not added to every app created later.
         task_options.setdefault("shared", False)
         task = self.app.task(**task_options)(function)
-        self.handlers[pattern] = Handler(pattern, task, max_retries, tuple(retry_for))
+        self.subscribers[pattern] = Subscriber(
+            pattern, task, max_retries, tuple(retry_for)
+        )
         self._register_deliver_task()
         return task
 
-    def handler_for(self, event: str) -> Handler | None:
-        """The one handler whose pattern matches ``event``, if any."""
-        for pattern, handler in self.handlers.items():
+    def subscriber_for(self, event: str) -> Subscriber | None:
+        """The one subscriber whose pattern matches ``event``, if any."""
+        for pattern, subscriber in self.subscribers.items():
             if matches(pattern, event):
-                return handler
+                return subscriber
         return None
+
+    @property
+    def handlers(self) -> dict[str, Subscriber]:
+        """Deprecated: :attr:`subscribers`."""
+        _renamed("Registry.handlers", "Registry.subscribers")
+        return self.subscribers
+
+    def add_handler(
+        self, pattern: str, function: Callable[..., Any], **options: Any
+    ) -> Any:
+        """Deprecated: :meth:`add_subscriber`."""
+        _renamed("Registry.add_handler()", "Registry.add_subscriber()")
+        return self.add_subscriber(pattern, function, **options)
+
+    def handler_for(self, event: str) -> Subscriber | None:
+        """Deprecated: :meth:`subscriber_for`."""
+        _renamed("Registry.handler_for()", "Registry.subscriber_for()")
+        return self.subscriber_for(event)
 
     def _register_deliver_task(self) -> None:
         if self._deliver_registered:
@@ -191,8 +219,8 @@ class Registry:
 
         # Lazy (the app may not be finalized yet): the task is created on first use.
         # inbox=False: a retry is the same message (same id) again, which the inbox
-        # of the delivering task itself would skip as a duplicate. A handler's own
-        # inbox (``@app.handler(..., inbox=True)``) is applied by ``deliver``.
+        # of the delivering task itself would skip as a duplicate. A subscriber's own
+        # inbox (``@app.subscriber(..., inbox=True)``) is applied by ``deliver``.
         self.app.task(
             name=DELIVER_TASK,
             bind=True,
@@ -204,7 +232,7 @@ class Registry:
 
 
 #: The attribute of an app that holds its :class:`Registry`. On the app itself, not in
-#: a weak-keyed mapping: the registry's handler tasks refer to the app, and a mapping
+#: a weak-keyed mapping: the registry's subscriber tasks refer to the app, and a mapping
 #: value that refers to its own key keeps it alive for good.
 _ATTRIBUTE = "_celery_outbox_events"
 _apps: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -223,9 +251,30 @@ def registry_of(app: Any) -> Registry:
 def _refuse_shared_service(registry: Registry, service: str) -> None:
     for other_app in list(_apps):
         other = registry_of(other_app)
-        if other is not registry and other.handlers and other_app.main == service:
+        if other is not registry and other.subscribers and other_app.main == service:
             raise OutboxConfigurationError(
-                f"Two apps with handlers are both named {service!r}: they would share "
+                f"Two apps with subscribers are both named {service!r}: they would share "
                 f"its queues and each get only some of the events. Give each service "
                 f"its own name: OutboxCelery('billing'), OutboxCelery('shipping')."
             )
+
+
+def _renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that ``old`` (an events name with "handler" in it) is now ``new``."""
+    warnings.warn(
+        f"{old} is deprecated: use {new}. Events have subscribers; 'handler' is the "
+        f"handler outbox's word (celery_outbox.handlers). The old spelling keeps "
+        f"working in the 0.x releases.",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Handler":
+        _renamed(
+            "celery_outbox.events.registry.Handler",
+            "celery_outbox.events.Subscriber",
+        )
+        return Subscriber
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

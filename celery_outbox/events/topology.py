@@ -7,7 +7,7 @@ cannot hold, so no event queue can take the name of a retry queue)::
     E:unrouted        fanout   E's alternate exchange: an event no service handles
                                yet is dropped there (queue with x-max-length 0)
                                instead of being returned to the relay as unroutable
-    E:S:<pattern>     queue    one per handler; bound to E by the pattern and to
+    E:S:<pattern>     queue    one per subscriber; bound to E by the pattern and to
                                E:S:recover by its own name; a message it rejects
                                dead-letters into E:S:retry:0
     E:S:retry:<n>     fanout + queue, x-message-ttl 2^n s, dead-letters into
@@ -85,7 +85,7 @@ class ServiceTopology:
         return f"{self.settings.events_exchange}:{self.service}"
 
     def queue_name(self, pattern: str) -> str:
-        """The queue of this service's handler of ``pattern``."""
+        """The queue of this service's subscriber to ``pattern``."""
         return f"{self.prefix}:{pattern}"
 
     @property
@@ -104,7 +104,7 @@ class ServiceTopology:
         return f"{self.prefix}:archive"
 
     def event_queue(self, pattern: str) -> Queue:
-        """The queue a handler consumes: events matching ``pattern``, and its retries."""
+        """The queue a subscriber consumes: events matching ``pattern``, and its retries."""
         name = self.queue_name(pattern)
         if self.retries is Retries.DATABASE:
             return Queue(
@@ -174,7 +174,7 @@ class ServiceTopology:
         return [self.event_queue(pattern) for pattern in self.patterns]
 
     def support_queues(self) -> list[Queue]:
-        """Retry steps and the archive (shared by all the service's handlers); none
+        """Retry steps and the archive (shared by all the service's subscribers); none
         when the database holds the retries."""
         if self.retries is Retries.DATABASE:
             return []

@@ -17,10 +17,10 @@ logger = logging.getLogger("celery_outbox.events")
 def prepare_worker(app: Any) -> list[str]:
     """Declare ``app``'s topology and add its event queues to those the worker consumes.
 
-    Returns the names of the queues added (none when the app has no handler).
+    Returns the names of the queues added (none when the app has no subscriber).
     """
     registry = registry_of(app)
-    if not registry.handlers:
+    if not registry.subscribers:
         return []
     topology = registry.topology()
     with app.connection_for_write() as connection:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["KEY_HEADER", "InboxTask"]
+__all__ = ["KEY_HEADER", "InboxMixin"]
 
 if TYPE_CHECKING:
-    from .task import KEY_HEADER, InboxTask
+    from .task import KEY_HEADER, InboxMixin
 
 
 def __getattr__(name: str) -> Any:
     # Imported lazily: the app's task class is resolved before Django is set up.
-    if name in __all__:
+    # ``InboxTask`` (deprecated: celery_outbox.task.OutboxTask) warns in .task.
+    if name in (*__all__, "InboxTask"):
         from . import task
 
         return getattr(task, name)

@@ -1,6 +1,7 @@
 """System checks of the inbox (``celery_outbox_inbox.E001`` / ``W001``).
 
-E001 a task says ``inbox=True`` but is not an ``InboxTask`` (the option would do nothing).
+E001 a task says ``inbox=True`` but its class has no inbox part (``InboxMixin``, in
+``celery_outbox.task.OutboxTask``): the option would do nothing.
 W001 ``CELERY_OUTBOX_INBOX_RETENTION`` is shorter than the time within which a second
 delivery of a message can still arrive.
 """
@@ -68,25 +69,25 @@ def _app_and_tasks() -> tuple[Any, list[Any]] | None:
 
 @register("celery_outbox")
 def check_inbox(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Inbox options reach an ``InboxTask``; retention outlives redeliveries."""
+    """Inbox options reach a task class with the inbox part; retention outlives redeliveries."""
     found = _app_and_tasks()
     if found is None:
         return []
     app, tasks = found
-    from .task import InboxTask
+    from .task import InboxMixin
 
     messages: list[CheckMessage] = [
         Error(
-            f"Task {task.name} says inbox=True but its class {type(task).__name__} is "
-            f"not an InboxTask, so its deliveries are not deduplicated.",
+            f"Task {task.name} says inbox=True but its class {type(task).__name__} "
+            f"has no inbox part, so its deliveries are not deduplicated.",
             hint="Derive your task class (base= or the app's task_cls) from "
-            "celery_outbox.inbox.InboxTask.",
+            "celery_outbox.task.OutboxTask.",
             id="celery_outbox_inbox.E001",
         )
         for task in tasks
-        if getattr(task, "inbox", None) and not isinstance(task, InboxTask)
+        if getattr(task, "inbox", None) and not isinstance(task, InboxMixin)
     ]
-    inbox_tasks = [t for t in tasks if isinstance(t, InboxTask) and t.uses_inbox()]
+    inbox_tasks = [t for t in tasks if isinstance(t, InboxMixin) and t.uses_inbox()]
     if not inbox_tasks:
         return messages
     settings = get_settings()

@@ -1,19 +1,23 @@
-"""``InboxTask``: runs a task body once per message, however often it is delivered.
+"""``InboxMixin``: runs a task body once per message, however often it is delivered.
 
-The task class of every ``OutboxCelery`` app. A task uses the inbox when it says
-``@app.task(inbox=True)``, or when ``CELERY_OUTBOX_INBOX = True`` and it does not say
-``inbox=False``. Before its body runs, the worker opens ``transaction.atomic()`` on the
-inbox alias and INSERTs (task name, key); the body runs in that transaction and both
-commit together. A delivery whose row is already committed is skipped.
+The inbox's part of the app's task class (:class:`celery_outbox.task.OutboxTask`).
+A task uses the inbox when it says ``@app.task(inbox=True)``, or when
+``CELERY_OUTBOX_INBOX = True`` and it does not say ``inbox=False``. Before its body
+runs, the worker opens ``transaction.atomic()`` on the inbox alias and INSERTs (task
+name, key); the body runs in that transaction and both commit together. A delivery
+whose row is already committed is skipped.
+
+``InboxTask``, the task class this module used to define, is now ``OutboxTask``: the
+old name still works and warns.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Ignore
 from django.db import IntegrityError, OperationalError, transaction
 
@@ -49,11 +53,11 @@ class _Deadlocked(Exception):
     chosen to break a deadlock: the transaction is gone and is run again."""
 
 
-class _DeferredRetry(Exception):
+class _RetryAfterRollback(Exception):
     """``retry()`` was called inside the inbox transaction; it is sent after the rollback."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("retry deferred until the inbox transaction rolled back")
+        super().__init__("retry sent once the inbox transaction rolled back")
         self.retry_args = args
         self.retry_kwargs = kwargs
 
@@ -100,13 +104,16 @@ def checked_key(task_name: str, key: Any) -> str:
 
 
 if TYPE_CHECKING:
-    _Base = DjangoTask[Any, Any]
-else:  # Celery's Task is subscriptable only from 5.7 on
-    _Base = DjangoTask
+    from celery import Task
+
+    _Base = Task[Any, Any]
+else:  # a part of the task class: Celery's Task comes after it in the class's MRO
+    _Base = object
 
 
-class InboxTask(_Base):
-    """A Django task whose body runs at most once per message key (opt-in per task)."""
+class InboxMixin(_Base):
+    """The inbox part of a task class: the body runs at most once per message key
+    (opt-in per task). Needs Celery's ``Task`` after it in the bases."""
 
     #: ``True``/``False`` from ``@app.task(inbox=...)``; None follows ``CELERY_OUTBOX_INBOX``.
     inbox: bool | None = None
@@ -141,9 +148,9 @@ class InboxTask(_Base):
                         raise
         except _Duplicate:
             self._skip(request, key, alias)
-        except _DeferredRetry as deferred:
+        except _RetryAfterRollback as after:
             # The transaction is gone: the retry message is written (or sent) for real.
-            return super().retry(*deferred.retry_args, **deferred.retry_kwargs)
+            return super().retry(*after.retry_args, **after.retry_kwargs)
 
     def _run_in_transaction(
         self,
@@ -197,7 +204,7 @@ class InboxTask(_Base):
         transaction the failure rolls back, and be lost with it.
         """
         if _open_request.get() is self.request:
-            raise _DeferredRetry(args, kwargs)
+            raise _RetryAfterRollback(args, kwargs)
         return super().retry(*args, **kwargs)
 
     def apply_async(self, *args: Any, **options: Any) -> Any:
@@ -228,3 +235,18 @@ class InboxTask(_Base):
         else:  # given as a header: checked all the same, before anything is sent
             checked_key(self.name, headers[KEY_HEADER])
         return options
+
+
+def __getattr__(name: str) -> Any:
+    if name == "InboxTask":
+        warnings.warn(
+            f"{__name__}.InboxTask is deprecated: use celery_outbox.task.OutboxTask "
+            f"(the app's task class, composed of the inbox and ordering parts). The "
+            f"old name keeps working in the 0.x releases.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from ..task import OutboxTask
+
+        return OutboxTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,14 +19,15 @@ from typing import Any
 from celery import shared_task
 
 from ..conf import get_settings
+from ..task import OutboxTask
 from .store import PURGE_CHUNK, InboxStore
-from .task import InboxTask, inbox_alias
+from .task import inbox_alias
 
 logger = logging.getLogger("celery_outbox.inbox")
 
 
 @shared_task(
-    name="celery_outbox.inbox.purge", ignore_result=True, base=InboxTask, inbox=False
+    name="celery_outbox.inbox.purge", ignore_result=True, base=OutboxTask, inbox=False
 )
 def purge(chunk: int = PURGE_CHUNK) -> dict[str, Any]:
     """Delete inbox rows older than the retention; returns ``{"deleted", "retention_seconds"}``."""

@@ -1,22 +1,33 @@
-"""The app's task class: the inbox's, plus per-task ordering defaults.
+"""``OrderingMixin``: per-task ordering defaults, the ordering part of the task class.
 
 ``@app.task(ordering="strict", ordering_policy="skip", coalesce=True)`` sets the
 defaults of that task's calls that carry an ``ordering_key`` (or ``coalesce_key``);
-a call's own option wins.
+a call's own option wins. :class:`celery_outbox.task.OutboxTask` composes this part
+with the inbox's.
+
+``OrderedTask``, the task class this module used to define, is now ``OutboxTask``:
+the old name still works and warns.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..inbox.task import InboxTask
+import warnings
+from typing import TYPE_CHECKING, Any
 
 #: Task attributes that become call options when the call has a key.
 DEFAULTS = ("ordering", "ordering_policy", "coalesce")
 
+if TYPE_CHECKING:
+    from celery import Task
 
-class OrderedTask(InboxTask):
-    """A Django task with the opt-in inbox and per-task ordering defaults."""
+    _Base = Task[Any, Any]
+else:  # a part of the task class: Celery's Task comes after it in the class's MRO
+    _Base = object
+
+
+class OrderingMixin(_Base):
+    """The ordering part of a task class: per-task defaults for keyed calls.
+    Needs Celery's ``Task`` after it in the bases."""
 
     #: ``"publish"`` (the default) or ``"strict"`` for keyed calls of this task.
     ordering: str | None = None
@@ -33,3 +44,18 @@ class OrderedTask(InboxTask):
                 if value is not None and options.get(name) is None:
                     options[name] = value
         return super().apply_async(*args, **options)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OrderedTask":
+        warnings.warn(
+            f"{__name__}.OrderedTask is deprecated: use celery_outbox.task.OutboxTask "
+            f"(the app's task class, composed of the inbox and ordering parts). The "
+            f"old name keeps working in the 0.x releases.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from ..task import OutboxTask
+
+        return OutboxTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The outbox SQL of events whose retries the database holds (``celery_outbox.events``).
 
-A failed handler's retry is an outbox row due a few seconds from now; an event whose
+A failed subscriber's retry is an outbox row due a few seconds from now; an event whose
 retries are used up is a dead letter written at once. A service's archive is the
 dead letters routed to its queues (routing key ``<exchange>:<service>:...``), so the
 operator commands (``outbox tasks replay``, ``outbox tasks purge``) work on it as on any other.

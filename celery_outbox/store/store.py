@@ -37,6 +37,7 @@ from ..queues import is_spec
 from ..states import DEAD
 from ..text import check_text, storable
 from .base import StoreBase
+from .buffer import ROW_BUFFER, RowBuffer
 from .dialects import (
     COLUMN_LIMITS,
     DEAD_TABLE,
@@ -48,7 +49,6 @@ from .dialects import (
     chunked,
     placeholders,
 )
-from .held import HELD_ROWS, HeldRows
 from .history import HistoryWriter
 from .notify import HINTS, remember_hint
 from .ordering import KeyedClaims
@@ -69,7 +69,7 @@ class OutboxWriter(StoreBase):
         With ``notify`` on PostgreSQL the same statement tells listening relays, unless
         a hint of this process committed just now (:class:`.notify.HintCoalescer`). On
         a connection of the write-on-commit engine (:mod:`celery_outbox.backends`)
-        inside ``atomic()``, the rows are held and written before the connection's
+        inside ``atomic()``, the rows are buffered and written before the connection's
         next statement or in its ``COMMIT``'s round trip, where the hint is decided.
         """
         if not envelopes:
@@ -81,13 +81,13 @@ class OutboxWriter(StoreBase):
             if not envelopes:
                 return
         connection = self.connection
-        held: HeldRows | None = getattr(connection, HELD_ROWS, None)
+        buffer: RowBuffer | None = getattr(connection, ROW_BUFFER, None)
         if (
-            held is not None
+            buffer is not None
             and connection.in_atomic_block
             and not connection.closed_in_transaction  # the cursor below says why
         ):
-            held.add(envelopes, notify)
+            buffer.add(envelopes, notify)
             return
         self.write(envelopes, notify=notify)
 

@@ -2,7 +2,7 @@
 and on Redis.
 
 Each service is its own Celery app (``tests/events_project``) with its own worker;
-handlers record what they ran in Redis (db 13). Retry steps are 1, 2 and 4 s: held by
+subscribers record what they ran in Redis (db 13). Retry steps are 1, 2 and 4 s: held by
 RabbitMQ's TTL queues there, by delayed outbox rows on Redis.
 """
 
@@ -221,7 +221,7 @@ def test_two_services_each_handle_every_committed_event_once(
 
 
 @BOTH_BROKERS
-def test_failing_handler_is_retried_at_1_2_4_s_then_archived_and_replayed(
+def test_failing_subscriber_is_retried_at_1_2_4_s_then_archived_and_replayed(
     events: Events, order_created: Any
 ) -> None:
     events.set_flag("billing", "fail", True)
@@ -266,7 +266,7 @@ def test_failing_handler_is_retried_at_1_2_4_s_then_archived_and_replayed(
     )
 
 
-def test_a_worker_killed_mid_handler_gets_the_event_again(
+def test_a_worker_killed_mid_subscriber_gets_the_event_again(
     events: Events, order_created: Any
 ) -> None:
     events.set_flag("shipping", "slow", True)
@@ -284,7 +284,7 @@ def test_a_worker_killed_mid_handler_gets_the_event_again(
 
 
 @BOTH_BROKERS
-def test_a_handler_with_the_inbox_has_one_effect_per_event(
+def test_a_subscriber_with_the_inbox_has_one_effect_per_event(
     events: Events, order_created: Any
 ) -> None:
     """The same event published twice: one effect. Failing twice, then succeeding:

@@ -14,7 +14,7 @@ app = OutboxCelery("audit")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
 
-@app.handler("order.*")
+@app.subscriber("order.*")
 def on_order(order_id: int, *rest: object, **more: object) -> None:
     record("audit", "order", order_id, phase="start")
     if flag("audit", "slow"):

@@ -14,7 +14,7 @@ app = OutboxCelery("billing")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
 
-@app.handler("order.*")
+@app.subscriber("order.*")
 def on_order(order_id: int, *rest: object, **more: object) -> None:
     record("billing", "order", order_id, phase="start")
     if flag("billing", "slow"):

@@ -1,4 +1,4 @@
-"""The ledger service: its handler runs through the inbox (once per event)."""
+"""The ledger service: its subscriber runs through the inbox (once per event)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ app = OutboxCelery("ledger")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
 
-@app.handler("order.*", inbox=True)
+@app.subscriber("order.*", inbox=True)
 def on_order(order_id: int, *rest: object, **more: object) -> None:
     from tests.project.shop.models import TaskRun
 

@@ -1,4 +1,4 @@
-"""Handlers record what they ran in Redis (one list per test run and service), and
+"""Subscribers record what they ran in Redis (one list per test run and service), and
 read their behaviour (fail, sleep) from Redis keys the test sets."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ app = OutboxCelery("shipping")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
 
-@app.handler("order.*")
+@app.subscriber("order.*")
 def on_order(order_id: int, *rest: object, **more: object) -> None:
     record("shipping", "order", order_id, phase="start")
     if flag("shipping", "slow"):

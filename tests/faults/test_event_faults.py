@@ -9,7 +9,7 @@ test runs.
 The delivery is **at least once**, so the test asserts at least once and reports the
 duplicates: the relay publishes with confirms and sends a row again when the
 connection went away before its confirm arrived, and the delivering task acks late
-(``acks_late=True``), so a handler that ran while the broker went away loses its ack
+(``acks_late=True``), so a subscriber that ran while the broker went away loses its ack
 with the connection and the broker delivers that event again once it is back.
 """
 
@@ -97,7 +97,7 @@ def fire(
 
 
 def handled(events: Events, service: str) -> Counter[int]:
-    """How many times ``service``'s handler completed each event."""
+    """How many times ``service``'s subscriber completed each event."""
     return Counter(int(row["payload"]) for row in events.records(service, "done"))
 
 

@@ -311,14 +311,14 @@ def test_held_each_service_gets_its_own_copy_of_every_committed_event(
     held: HeldServices, caplog: pytest.LogCaptureFixture
 ) -> None:
     billing_app = held.app("billing")
-    registry_of(billing_app).add_handler("order.*", _record_effect)
+    registry_of(billing_app).add_subscriber("order.*", _record_effect)
     with caplog.at_level(logging.WARNING, logger="celery_outbox.events"):
         billing = held.declare(billing_app)
     # Said at start when the choice was ours (auto on Redis), not when it was asked for.
     warned = "broker-side retries are not available" in caplog.text
     assert warned is held.on_redis
     shipping_app = held.app("shipping")
-    registry_of(shipping_app).add_handler("order.created", _record_effect)
+    registry_of(shipping_app).add_subscriber("order.created", _record_effect)
     shipping = held.declare(shipping_app)
     shop = held.app("shop")
     order_created = declare_events(shop)
@@ -338,12 +338,12 @@ def _record_effect(order_id: int, *rest: object) -> None:
 
 
 def effects() -> int:
-    """Effects the handlers committed (the test project also records skips)."""
+    """Effects the subscribers committed (the test project also records skips)."""
     return int(TaskRun.objects.filter(task_name="effect").count())
 
 
 def flaky(failures: int, calls: list[int]) -> Callable[..., None]:
-    """A handler that fails its first ``failures`` calls; each call writes its effect
+    """A subscriber that fails its first ``failures`` calls; each call writes its effect
     first, so a rolled-back failure shows as a missing row."""
 
     def on_order(order_id: int, *rest: object) -> None:
@@ -367,11 +367,11 @@ def deliver_once(app: OutboxCelery, event_id: str, retries: int) -> Any:
     )
 
 
-def test_held_a_failed_handler_is_retried_through_the_outbox_then_archived(
+def test_held_a_failed_subscriber_is_retried_through_the_outbox_then_archived(
     held: HeldServices,
 ) -> None:
     app = held.app("billing")
-    registry_of(app).add_handler("order.*", flaky(99, []))
+    registry_of(app).add_subscriber("order.*", flaky(99, []))
     topology = held.declare(app)
     queue = topology.queue_name("order.*")
     event_id = str(uuid.uuid4())
@@ -384,7 +384,7 @@ def test_held_a_failed_handler_is_retried_through_the_outbox_then_archived(
         assert headers[EVENT_HEADER] == "order.created"
         delay = (row.available_at - row.created_at).total_seconds()
         assert abs(delay - 2**retries) < 0.05, delay
-        # Due now: the relay sends it to the failing handler's queue only.
+        # Due now: the relay sends it to the failing subscriber's queue only.
         Stores("default").operator().retry_now([row.id])
         relay_until_empty(app)
         assert held.ids_in(queue) == [7]
@@ -431,7 +431,7 @@ def test_the_archive_commands_work_on_the_dead_letters(
         return out.getvalue()
 
     app = held.app("billing")
-    registry_of(app).add_handler("order.*", flaky(99, []), max_retries=0)
+    registry_of(app).add_subscriber("order.*", flaky(99, []), max_retries=0)
     held.declare(app)
     monkeypatch.setattr(sys.modules[__name__], "command_app", app)
 
@@ -440,7 +440,7 @@ def test_the_archive_commands_work_on_the_dead_letters(
         return int(counts["outbox: archived (dead letters)"])
 
     other = held.app("shipping")
-    registry_of(other).add_handler("order.*", flaky(99, []), max_retries=0)
+    registry_of(other).add_subscriber("order.*", flaky(99, []), max_retries=0)
     ids = [str(uuid.uuid4()) for _ in range(3)]
     for event_id in ids:
         deliver_once(app, event_id, 0)  # no retry steps: archived at once
@@ -468,7 +468,7 @@ def test_a_retry_that_cannot_be_written_is_requeued_not_dropped(
     from celery.exceptions import Reject
 
     app = held.app("billing")
-    registry_of(app).add_handler("order.*", flaky(99, []))
+    registry_of(app).add_subscriber("order.*", flaky(99, []))
     held.declare(app)
     with override_settings(CELERY_OUTBOX_DATABASE="no-such-alias"):
         result = deliver_once(app, str(uuid.uuid4()), 0)
@@ -478,7 +478,7 @@ def test_a_retry_that_cannot_be_written_is_requeued_not_dropped(
 
 
 @pytest.mark.parametrize("everywhere", [False, True])
-def test_a_handler_with_the_inbox_runs_once_per_event(
+def test_a_subscriber_with_the_inbox_runs_once_per_event(
     held: HeldServices, everywhere: bool
 ) -> None:
     """Delivered twice: one effect. Failing twice then succeeding: one effect (each
@@ -494,7 +494,7 @@ def test_a_handler_with_the_inbox_runs_once_per_event(
     duplicate_skipped.connect(on_skip)
     try:
         with override_settings(CELERY_OUTBOX_INBOX=everywhere):
-            registry_of(app).add_handler("order.*", flaky(2, calls), **options)
+            registry_of(app).add_subscriber("order.*", flaky(2, calls), **options)
             event_id = str(uuid.uuid4())
             for retries in range(3):
                 deliver_once(app, event_id, retries)
@@ -506,8 +506,8 @@ def test_a_handler_with_the_inbox_runs_once_per_event(
     assert effects() == 1
     assert OutboxMessage.objects.count() == 2  # the two retries, nothing archived
     assert len(skipped) == 2 and skipped[0]["key"] == event_id
-    handler = f"{__name__}.flaky.<locals>.on_order"
-    assert skipped[0]["task_name"] == f"billing-{held.tag}:{handler}"
+    subscriber = f"{__name__}.flaky.<locals>.on_order"
+    assert skipped[0]["task_name"] == f"billing-{held.tag}:{subscriber}"
 
 
 def test_another_service_handling_the_same_event_has_its_own_inbox_key(
@@ -516,7 +516,7 @@ def test_another_service_handling_the_same_event_has_its_own_inbox_key(
     event_id = str(uuid.uuid4())
     for service in ("billing", "shipping"):
         app = held.app(service)
-        registry_of(app).add_handler("order.*", _record_effect, inbox=True)
+        registry_of(app).add_subscriber("order.*", _record_effect, inbox=True)
         deliver_once(app, event_id, 0)
         deliver_once(app, event_id, 0)
     assert effects() == 2

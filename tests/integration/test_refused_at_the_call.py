@@ -111,12 +111,12 @@ def test_a_delivery_with_a_key_no_table_holds_fails_once_with_the_reason(
     ("declare", "position"),
     [
         (lambda a: a.event(f"order.{NUL}created")(lambda: None), 6),
-        (lambda a: a.handler(f"order.{SURROGATE}")(lambda: None), 6),
-        (lambda a: a.handler("order.*", name=f"billing.on{NUL}order")(print), 10),
+        (lambda a: a.subscriber(f"order.{SURROGATE}")(lambda: None), 6),
+        (lambda a: a.subscriber("order.*", name=f"billing.on{NUL}order")(print), 10),
     ],
-    ids=["event name", "handler pattern", "handler name"],
+    ids=["event name", "subscriber pattern", "subscriber name"],
 )
-def test_event_and_handler_names_no_table_holds_are_refused(
+def test_event_and_subscriber_names_no_table_holds_are_refused(
     declare: Callable[[OutboxCelery], Any], position: int
 ) -> None:
     service = OutboxCelery(f"billing-{uuid.uuid4().hex[:8]}", set_as_current=False)

@@ -1,4 +1,4 @@
-"""Events reach the same handlers on Redis as on RabbitMQ: one table, both brokers.
+"""Events reach the same subscribers on Redis as on RabbitMQ: one table, both brokers.
 
 Every service below handles one pattern; every event below is fired once in its own
 transaction and published by a real relay; each service's queue is then read. On
@@ -24,7 +24,7 @@ from .test_events import HeldServices, delete_topology, relay_until_empty
 pytestmark = pytest.mark.django_db(transaction=True)
 
 EVENTS = ["order", "order.created", "order.created.eu", "order.eu", "invoice.created"]
-#: Handler pattern -> the events RabbitMQ's topic rules route to it.
+#: Subscriber pattern -> the events RabbitMQ's topic rules route to it.
 ROUTED = {
     "order.#": ["order", "order.created", "order.created.eu", "order.eu"],
     "order.*": ["order.created", "order.eu"],
@@ -40,7 +40,7 @@ class Services(HeldServices):
     def handle(self, number: int, pattern: str) -> str:
         """A service handling ``pattern``; returns its queue."""
         app = self.app(f"svc{number}")
-        registry_of(app).add_handler(pattern, lambda *args: None)
+        registry_of(app).add_subscriber(pattern, lambda *args: None)
         return self.declare(app).queue_name(pattern)
 
     def cleanup(self) -> None:

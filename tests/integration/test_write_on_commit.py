@@ -127,7 +127,7 @@ def test_outside_a_transaction_the_row_is_written_at_once(
 ) -> None:
     settings.CELERY_OUTBOX_OUTSIDE_TRANSACTION = "allow"
     result = record.delay("autocommit")
-    [statement] = inserts(sent)  # sent by the call itself, not held
+    [statement] = inserts(sent)  # sent by the call itself, not buffered
     assert result.id in statement and "COMMIT" not in statement
     assert task_ids() == [result.id]
 
@@ -183,7 +183,7 @@ def order_numbers() -> list[str]:
 
 @pytest.mark.usefixtures("refusing_trigger")
 def test_a_refused_row_whose_error_was_caught_fails_the_commit() -> None:
-    # The held row goes out before the inner block's SAVEPOINT, whose error the
+    # The buffered row goes out before the inner block's SAVEPOINT, whose error the
     # caller catches as it would catch the optional write's own. PostgreSQL has
     # aborted the transaction: its COMMIT would roll back without a word.
     with (
@@ -212,7 +212,7 @@ def test_a_refused_row_rolled_back_with_its_savepoint_lets_the_rest_commit() -> 
         try:
             with transaction.atomic(using=ALIAS):
                 record.delay("refuse")
-                # Sends the held row, refused: the block and its savepoint roll back.
+                # Sends the buffered row, refused: the block and its savepoint roll back.
                 Order.objects.using(ALIAS).create(number="inner")
         except DatabaseError:
             pass
@@ -246,7 +246,7 @@ def test_a_task_sent_after_the_connection_closed_in_the_transaction_is_refused()
     None
 ):
     # Django reconnects for the next statement after such a block, in autocommit: a
-    # row held from inside it would be committed though its transaction never was.
+    # row buffered from inside it would be committed though its transaction never was.
     connection = connections[ALIAS]
     with pytest.raises(Rollback), transaction.atomic(using=ALIAS):
         Order.objects.using(ALIAS).create(number="closed under it")
@@ -274,15 +274,15 @@ def test_rows_held_when_autocommit_comes_back_unfinished_are_not_committed() -> 
     assert task_ids() == []
 
 
-def test_a_new_connection_starts_with_nothing_held() -> None:
+def test_a_new_connection_starts_with_nothing_buffered() -> None:
     connection = connections[ALIAS]
     with pytest.raises(Rollback), transaction.atomic(using=ALIAS):
         record.delay("held")
-        connection.outbox_held_rows.add([], False)  # still holding the one above
-        assert connection.outbox_held_rows
+        connection.outbox_row_buffer.add([], False)  # still buffering the one above
+        assert connection.outbox_row_buffer
         connection.connection.close()  # the server side goes away under Django
         connection.connect()
-        assert not connection.outbox_held_rows
+        assert not connection.outbox_row_buffer
         raise Rollback
     assert task_ids() == []
 
@@ -313,7 +313,7 @@ def test_rows_that_cannot_be_sent_at_commit_roll_the_transaction_back() -> None:
         transaction.atomic(using=ALIAS),
     ):
         Order.objects.using(ALIAS).create(number="lost with its task")
-        connection.outbox_held_rows.add([bad], False)
+        connection.outbox_row_buffer.add([bad], False)
     assert connection.get_autocommit()
     assert Order.objects.using(ALIAS).count() == 0
     with transaction.atomic(using=ALIAS):
@@ -321,7 +321,7 @@ def test_rows_that_cannot_be_sent_at_commit_roll_the_transaction_back() -> None:
     assert task_ids() == [result.id]
 
 
-def test_thousands_of_held_rows_fit_under_server_side_binding() -> None:
+def test_thousands_of_buffered_rows_fit_under_server_side_binding() -> None:
     # 15 bound parameters a row would pass PostgreSQL's 65,535 after 4,369 rows.
     connection = connections[ALIAS]
     options = connection.settings_dict.setdefault("OPTIONS", {})

@@ -102,34 +102,61 @@ def test_topology_retry_steps_archive_and_quorum() -> None:
     )
 
 
-def test_overlapping_handlers_in_one_service_are_refused() -> None:
+def test_overlapping_subscribers_in_one_service_are_refused() -> None:
     app = OutboxCelery("overlap-service", set_as_current=False)
-    app.handler("order.*")(lambda order_id: None)
+    app.subscriber("order.*")(lambda order_id: None)
     with pytest.raises(OutboxConfigurationError, match="overlap"):
-        app.handler("order.created")(lambda order_id: None)
+        app.subscriber("order.created")(lambda order_id: None)
 
 
 def test_two_apps_with_one_name_are_refused() -> None:
     first = OutboxCelery("twin-service", set_as_current=False)
-    first.handler("a.b")(lambda: None)
+    first.subscriber("a.b")(lambda: None)
     second = OutboxCelery("twin-service", set_as_current=False)
     with pytest.raises(OutboxConfigurationError, match="both named 'twin-service'"):
-        second.handler("c.d")(lambda: None)
+        second.subscriber("c.d")(lambda: None)
 
 
 def test_an_app_without_a_name_is_refused() -> None:
     app = OutboxCelery(set_as_current=False)
     with pytest.raises(OutboxConfigurationError, match="unique service name"):
-        app.handler("a.b")(lambda: None)
+        app.subscriber("a.b")(lambda: None)
 
 
 def test_registry_is_per_app() -> None:
     app = Celery("plain-service", set_as_current=False)
     registry = registry_of(app)
-    registry.add_handler("x.y", lambda: None)
+    registry.add_subscriber("x.y", lambda: None)
     assert registry_of(app) is registry
-    assert registry.handler_for("x.y") is not None
-    assert registry.handler_for("x.z") is None
+    assert registry.subscriber_for("x.y") is not None
+    assert registry.subscriber_for("x.z") is None
+
+
+def test_the_old_handler_spelling_still_subscribes_and_warns() -> None:
+    app = OutboxCelery("old-spelling-service", set_as_current=False)
+    with pytest.warns(DeprecationWarning, match=r"use @app\.subscriber") as caught:
+        task = app.handler("order.*", max_retries=2)(lambda order_id: None)
+    assert caught[0].filename == __file__  # points at the caller's line
+    registry = registry_of(app)
+    found = registry.subscriber_for("order.created")
+    assert found is not None and found.task is task and found.max_retries == 2
+    with pytest.warns(DeprecationWarning, match=r"use Registry\.subscribers"):
+        assert registry.handlers == registry.subscribers
+    with pytest.warns(DeprecationWarning, match=r"use Registry\.add_subscriber"):
+        registry.add_handler("refund.*", lambda refund_id: None)
+    with pytest.warns(DeprecationWarning, match=r"use Registry\.subscriber_for"):
+        assert registry.handler_for("refund.done") is registry.subscribers["refund.*"]
+
+
+def test_the_old_handler_class_name_still_imports_and_warns() -> None:
+    import celery_outbox.events
+    from celery_outbox.events import Subscriber
+
+    with pytest.warns(DeprecationWarning, match=r"celery_outbox\.events\.Subscriber"):
+        from celery_outbox.events import Handler  # type: ignore[attr-defined]
+    assert Handler is Subscriber
+    with pytest.warns(DeprecationWarning, match=r"celery_outbox\.events\.Subscriber"):
+        assert celery_outbox.events.registry.Handler is Subscriber  # type: ignore[attr-defined]
 
 
 class _Transport:
@@ -202,7 +229,7 @@ def test_the_retries_setting_is_validated() -> None:
         load_settings(Bad)
 
 
-def test_a_handler_inbox_key_is_per_service_and_handler() -> None:
+def test_a_subscriber_inbox_key_is_per_service_and_subscriber() -> None:
     from celery_outbox.events.once import inbox_name, uses_inbox
 
     assert inbox_name("billing", "b.on_order") != inbox_name("audit", "b.on_order")
@@ -212,8 +239,8 @@ def test_a_handler_inbox_key_is_per_service_and_handler() -> None:
 
     def plain() -> None: ...
 
-    with_inbox = app.handler("a.b", inbox=True)(once)
-    without = app.handler("c.d")(plain)
+    with_inbox = app.subscriber("a.b", inbox=True)(once)
+    without = app.subscriber("c.d")(plain)
     assert uses_inbox(with_inbox) is True
     assert uses_inbox(without) is False
 

@@ -58,6 +58,8 @@ PLACES = {
     "celery_outbox.ordering": "lanes",
     "celery_outbox.relay": "lanes",
     "celery_outbox.signals": "lanes",
+    # The task class, composed of the lanes' parts (inbox, ordering).
+    "celery_outbox.task": "lanes",
     # On top: what a user calls, runs, configures or opens.
     "celery_outbox": "top",
     "celery_outbox.admin": "top",

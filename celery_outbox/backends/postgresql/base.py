@@ -8,4 +8,4 @@ from ..writeoncommit import WriteOnCommitMixin
 
 
 class DatabaseWrapper(WriteOnCommitMixin, base.DatabaseWrapper):
-    """Django's PostgreSQL ``DatabaseWrapper`` with held outbox rows."""
+    """Django's PostgreSQL ``DatabaseWrapper`` with buffered outbox rows."""

@@ -1,8 +1,10 @@
-"""Outbox rows held on a connection until its next statement or its ``COMMIT``.
+"""Outbox rows buffered on a connection until its next statement or its ``COMMIT``.
 
 Only connections of the write-on-commit engine (:mod:`celery_outbox.backends`) carry
-a :class:`HeldRows`; :meth:`~celery_outbox.store.store.OutboxWriter.insert` looks for
-it under :data:`HELD_ROWS`.
+a :class:`RowBuffer`; :meth:`~celery_outbox.store.store.OutboxWriter.insert` looks for
+it under :data:`ROW_BUFFER`. (Not "held": in this project a message is *held* until it
+is due, as a scheduled task or an event's retry is; these rows are due at once and
+only wait for the connection's next round trip.)
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from collections.abc import Sequence
 
 from ..envelope import Envelope
 
-#: The connection attribute that holds a :class:`HeldRows`.
-HELD_ROWS = "outbox_held_rows"
+#: The connection attribute that holds a :class:`RowBuffer`.
+ROW_BUFFER = "outbox_row_buffer"
 
 
-class HeldRows:
+class RowBuffer:
     """Messages enqueued inside ``atomic()`` since the connection's last statement."""
 
     __slots__ = ("_envelopes", "_notify")
@@ -28,16 +30,16 @@ class HeldRows:
         return bool(self._envelopes)
 
     def add(self, envelopes: Sequence[Envelope], notify: bool) -> None:
-        """Hold more messages; one of the writes asking for a wake-up is enough."""
+        """Buffer more messages; one of the writes asking for a wake-up is enough."""
         self._envelopes.extend(envelopes)
         self._notify = self._notify or notify
 
     def take(self) -> tuple[list[Envelope], bool]:
-        """Everything held, in enqueue order, and whether to wake relays; holds nothing after."""
+        """Everything buffered, in enqueue order, and whether to wake relays; empty after."""
         envelopes, notify = self._envelopes, self._notify
         self._envelopes, self._notify = [], False
         return envelopes, notify
 
     def clear(self) -> None:
-        """Forget what is held: its transaction or savepoint rolled back."""
+        """Forget what is buffered: its transaction or savepoint rolled back."""
         self._envelopes, self._notify = [], False
