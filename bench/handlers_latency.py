@@ -2,7 +2,7 @@
 
 The driver emits one message of the category ``bench.latency`` per transaction,
 at a steady rate, over a few shards, while a real processor
-(``python -m django outbox handlers``, a subprocess) runs. Each variant has a
+(``python -m django outbox handlers run``, a subprocess) runs. Each variant has a
 processor of its own:
 
 * ``flush on commit``: the writer wraps its transaction in
@@ -168,6 +168,7 @@ def measure(variant: Variant, seconds: float, tag: str, samples: Samples) -> Non
             "django",
             "outbox",
             "handlers",
+            "run",
             "--poll-interval",
             str(variant.poll_interval),
         ],
@@ -217,7 +218,7 @@ def render(sizes: HandlerSizes, samples: dict[str, Samples]) -> str:
     lines = [
         f"11. handler outboxes: commit -> receiver called, ms; {RATE:.0f} emits/s "
         f"for {sizes.seconds:.0f} s x {sizes.rounds}, one message per transaction, "
-        f"{SHARDS} shards, `outbox handlers` as a subprocess",
+        f"{SHARDS} shards, `outbox handlers run` as a subprocess",
     ]
     for name, found in samples.items():
         delays = sorted(found.delays)

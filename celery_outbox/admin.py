@@ -357,9 +357,9 @@ class DeadLetterAdmin(MessageAdminMixin, TaskLinks, admin.ModelAdmin):  # type: 
     readonly_fields = fields
     actions = ("replay", "delete_dead_letters")
     bulk_hint = (
-        "narrow the selection with the filters, or use `manage.py outbox replay` "
-        "(--task, --since, --until, --all) or `manage.py outbox purge`, which work "
-        "in chunks"
+        "narrow the selection with the filters, or use `manage.py outbox tasks "
+        "replay` (ids, --name, --since, --until, --all) or `manage.py outbox tasks "
+        "purge`, which work in chunks"
     )
 
     def has_operate_permission(self, request: HttpRequest) -> bool:

@@ -74,7 +74,7 @@ class OutboxSettings:
     inbox_database: str | None = None
     #: Seconds an inbox row is kept before ``celery_outbox.inbox.purge`` deletes it (7 days).
     inbox_retention: float = 7 * 86400.0
-    #: Keep each message's history (``outbox inspect``, the admin); off by default.
+    #: Keep each message's history (``outbox tasks inspect``, the admin); off by default.
     history: bool = False
     #: Seconds a history event is kept (7 days); ``purge_dead_letters`` deletes older ones.
     history_retention: float = 7 * 86400.0

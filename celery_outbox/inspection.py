@@ -1,4 +1,4 @@
-"""What ``outbox inspect TASK_ID`` does, apart from parsing: where a message is now.
+"""What ``outbox tasks inspect TASK_ID`` does, apart from parsing: where a message is now.
 
 The store answers with a :class:`~celery_outbox.store.history.MessageTrace` (rows,
 dead letters, history); :func:`message_state` decides the state from it and the
@@ -23,7 +23,7 @@ FORMATS = ("text", "json")
 
 @dataclass(frozen=True)
 class InspectRequest:
-    """``outbox inspect`` options: the task id and the output format."""
+    """``outbox tasks inspect`` options: the task id and the output format."""
 
     task_id: str
     format: str = "text"
@@ -140,7 +140,8 @@ def _where(trace: MessageTrace, state: str) -> list[str]:
         dead = max(trace.dead, key=lambda d: d.dead_at)
         return [
             _field(
-                "dead letter", f"{dead.id} (replay: manage.py outbox replay {dead.id})"
+                "dead letter",
+                f"{dead.id} (replay: manage.py outbox tasks replay {dead.id})",
             ),
             _field("dead at", _moment(dead.dead_at)),
             _field("attempts", dead.attempts),

@@ -1,4 +1,4 @@
-"""What ``outbox stats``, ``outbox replay`` and ``outbox purge`` do, apart from parsing.
+"""What ``outbox tasks stats``, ``replay`` and ``purge`` do, apart from parsing.
 
 Each request object turns command-line text into checked values (raising
 :class:`~django.core.management.base.CommandError` naming the bad argument); the
@@ -30,7 +30,7 @@ PROGRESS_THRESHOLD = 1000
 
 @dataclass(frozen=True)
 class StatsRequest:
-    """``outbox stats`` options: output format, top-N failures, refresh interval."""
+    """``outbox tasks stats`` options: output format, top-N failures, refresh interval."""
 
     format: str = "text"
     top: int | None = None
@@ -217,7 +217,7 @@ def _prometheus(summary: Summary, failures: TopFailures | None) -> str:
 
 @dataclass(frozen=True)
 class ReplayRequest:
-    """Which dead letters ``outbox replay`` puts back, and how."""
+    """Which dead letters ``outbox tasks replay`` puts back, and how."""
 
     selection: DeadLetterFilter
     dry_run: bool = False
@@ -245,7 +245,7 @@ class ReplayRequest:
                 )
             numbers.append(int(text))
         if task is not None and not task.strip():
-            raise CommandError("replay: --task needs a task name or glob")
+            raise CommandError("replay: --name needs a task name or glob")
         start = _moment("--since", since, now)
         end = _moment("--until", until, now)
         if start is not None and end is not None and start >= end:
@@ -256,7 +256,7 @@ class ReplayRequest:
         selection = DeadLetterFilter(tuple(numbers) or None, task, start, end)
         if selection.is_empty and not everything:
             raise CommandError(
-                "replay: say which dead letters to replay: ids, --task GLOB, "
+                "replay: say which dead letters to replay: ids, --name GLOB, "
                 "--since/--until, or --all for every one"
             )
         if everything and not selection.is_empty:
@@ -306,7 +306,7 @@ def replay(store: OperatorStore, request: ReplayRequest, stderr: OutputWrapper) 
         raise CommandError(
             f"{summary}; {missing} of the {len(set(asked))} id(s) given match no dead "
             f"letter (already replayed or purged?). Check the ids in the admin or with "
-            f"'outbox stats --top N'."
+            f"'outbox tasks stats --top N'."
         )
     return summary
 
@@ -322,7 +322,7 @@ def _breakdown(by_task: Mapping[str, int]) -> str:
 
 @dataclass(frozen=True)
 class PurgeRequest:
-    """Which dead letters ``outbox purge`` deletes."""
+    """Which dead letters ``outbox tasks purge`` deletes."""
 
     older_than: float
     task: str | None = None

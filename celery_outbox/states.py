@@ -64,7 +64,7 @@ def message_state(
     """``due``, ``in_flight``, ``scheduled``, ``retrying`` or ``deferred`` (put back
     after an outage).
 
-    The same names as ``outbox stats`` (text, JSON) and the metrics use.
+    The same names as ``outbox tasks stats`` (text, JSON) and the metrics use.
     """
     return row_state(
         due=available_at <= now,

@@ -4,8 +4,8 @@ An event is written to the outbox in the caller's transaction and published by t
 relay to a topic exchange; every service with a subscriber to it gets its own copy in
 its own queue (RabbitMQ or Redis). A failing subscriber is retried on the broker (TTL
 queues and dead-letter exchanges, RabbitMQ) or through outbox rows due later (Redis,
-:mod:`.held`), then archived, from where ``manage.py outbox events archive
-replay`` puts it back. ``@app.subscriber(..., inbox=True)`` runs a subscriber once per
+:mod:`.held`), then archived, from where ``manage.py outbox events replay``
+puts it back. ``@app.subscriber(..., inbox=True)`` runs a subscriber once per
 event (:mod:`.once`). See docs/events.md.
 
 ``@app.handler`` and :class:`Handler` are the old names of ``@app.subscriber`` and

@@ -1,10 +1,11 @@
-"""``manage.py outbox events ...``: show and declare the topology, inspect and replay
-the archive. Parsing lives here; the work is in :mod:`.declare` and :mod:`.archive`."""
+"""What ``manage.py outbox events <verb>`` does: show and declare the topology, count
+the queues, inspect, replay and purge the archive. The flags are in
+:mod:`celery_outbox.cli.events`; the work is in :mod:`.declare` and :mod:`.archive`."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -32,47 +33,6 @@ class Output(Protocol):
     def flush(self) -> Any: ...
 
 
-def add_arguments(parser: argparse.ArgumentParser, **kwargs: Any) -> None:
-    """Add ``events``'s own subcommands to its parser."""
-    parser.add_argument(
-        "--app",
-        default=None,
-        help="Dotted path of the service's app (default: CELERY_OUTBOX_APP or the only one).",
-    )
-    parser.add_argument(
-        "--service",
-        default=None,
-        help="Act on this service's archive (default: the app's name).",
-    )
-    sub = parser.add_subparsers(dest="events_command", required=True)
-    sub.add_parser("show", help="Print the service's exchanges and queues.", **kwargs)
-    declare_parser = sub.add_parser(
-        "declare", help="Declare the service's topology (idempotent).", **kwargs
-    )
-    declare_parser.add_argument(
-        "--dry-run", action="store_true", help="Print it, declare nothing."
-    )
-    sub.add_parser(
-        "stats", help="Messages per queue: events, retries, archive.", **kwargs
-    )
-    archive_parser = sub.add_parser("archive", help="The archive queue.", **kwargs)
-    actions = archive_parser.add_subparsers(dest="archive_command", required=True)
-    actions.add_parser("count", help="Print how many events are archived.", **kwargs)
-    listing = actions.add_parser("list", help="Print archived events.", **kwargs)
-    listing.add_argument("--limit", type=int, default=100)
-    replay = actions.add_parser(
-        "replay", help="Put archived events back into their queues.", **kwargs
-    )
-    replay.add_argument("ids", nargs="*", help="Task ids of archived events.")
-    replay.add_argument(
-        "--event", default=None, metavar="GLOB", help="Event name or glob."
-    )
-    replay.add_argument(
-        "--all", action="store_true", help="Replay every archived event."
-    )
-    actions.add_parser("purge", help="Delete every archived event.", **kwargs)
-
-
 def run(options: dict[str, Any], out: Output) -> None:
     """Run the ``events`` subcommand ``options`` describe, writing to ``out``."""
     app = _app(options.get("app"))
@@ -82,12 +42,12 @@ def run(options: dict[str, Any], out: Output) -> None:
         if options.get("service") is None
         else ServiceTopology(get_settings(), options["service"], (), registry.retries())
     )
-    command = options["events_command"]
+    command = options["verb"]
     if command == "show" or (command == "declare" and options.get("dry_run")):
         out.write(describe(topology.all_queues()) + "\n")
         return
     held = topology.retries is Retries.DATABASE
-    if command == "archive" and held:
+    if command in _ARCHIVE and held:
         _archive_command(_held_archive(topology), options, out)
         return
     with app.connection_for_write() as connection, _broker_errors(connection):
@@ -96,15 +56,7 @@ def run(options: dict[str, Any], out: Output) -> None:
             declare(connection, topology.all_queues(), settings, topology.service)
             out.write(f"declared {len(topology.all_queues())} queues\n")
         elif command == "stats":
-            # Redis keeps no empty list: a queue there reads as missing until used.
-            unknown = "missing" if transport_of(connection) == "amqp" else "0"
-            for name, ready in archive.stats(connection, topology).items():
-                out.write(f"{name}\t{unknown if ready is None else ready}\n")
-            if held:
-                out.write(f"outbox: retries waiting\t{dbarchive.waiting(topology)}\n")
-                out.write(
-                    f"outbox: archived (dead letters)\t{dbarchive.count(topology)}\n"
-                )
+            _stats(connection, topology, held, options, out)
         else:
             _archive_command(_queue_archive(connection, topology), options, out)
 
@@ -165,23 +117,64 @@ def _held_archive(topology: ServiceTopology) -> _Archive:
     )
 
 
+#: The verbs that act on the archive (``count`` is the old ``archive count``).
+_ARCHIVE = ("count", "inspect", "replay", "purge")
+
+
+def _stats(
+    connection: Any,
+    topology: ServiceTopology,
+    held: bool,
+    options: dict[str, Any],
+    out: Output,
+) -> None:
+    """Messages per queue (the ``--top`` fullest), then the outbox's held retries."""
+    counts = archive.stats(connection, topology)
+    fullest = sorted(counts, key=lambda name: -(counts[name] or 0))
+    shown = {name: counts[name] for name in fullest[: options["top"]]}
+    if held:
+        shown["outbox: retries waiting"] = dbarchive.waiting(topology)
+        shown["outbox: archived (dead letters)"] = dbarchive.count(topology)
+    if options["format"] == "json":
+        out.write(json.dumps(shown, indent=2) + "\n")
+        return
+    # Redis keeps no empty list: a queue there reads as missing until used.
+    unknown = "missing" if transport_of(connection) == "amqp" else "0"
+    for name, ready in shown.items():
+        out.write(f"{name}\t{unknown if ready is None else ready}\n")
+
+
 def _archive_command(target: _Archive, options: dict[str, Any], out: Output) -> None:
-    command = options["archive_command"]
+    command = options["verb"]
     if command == "count":
         out.write(f"{target.count()}\n")
-    elif command == "list":
+    elif command == "inspect":
         for each in target.listing(options["limit"]):
             _write_archived(out, each)
     elif command == "purge":
-        out.write(f"purged {target.purge()}\n")
+        if not options.get("all"):
+            raise OutboxError(
+                "events purge deletes the whole archive: say so with --all "
+                "(add --dry-run to count it first)."
+            )
+        if options.get("dry_run"):
+            out.write(f"would purge {target.count()} (dry run)\n")
+        else:
+            out.write(f"purged {target.purge()}\n")
     else:
-        if not (options["ids"] or options["event"] or options["all"]):
-            raise OutboxError("Say what to replay: ids, --event GLOB or --all.")
+        ids, name = options["ids"], options["name"]
+        if ids or name:
+            if options["all"]:
+                raise OutboxError(
+                    "events replay: --all cannot be combined with ids or --name."
+                )
+        elif not options["all"]:
+            raise OutboxError(
+                "events replay: say which: ids, --name GLOB, or --all for every one."
+            )
         bar = _progress(out)
         try:
-            result = target.replay(
-                event=options["event"], ids=options["ids"], on_progress=bar.update
-            )
+            result = target.replay(event=name, ids=ids, on_progress=bar.update)
         finally:
             bar.close()
         summary = (
@@ -194,7 +187,7 @@ def _archive_command(target: _Archive, options: dict[str, Any], out: Output) -> 
             raise OutboxError(
                 f"{summary}; {len(unknown)} of the {len(set(options['ids']))} id(s) "
                 f"given match no archived event of this service: {', '.join(unknown)} "
-                f"(already replayed or purged? 'archive list' shows the ids)."
+                f"(already replayed or purged? 'outbox events inspect' lists them)."
             )
         out.write(f"\n{summary}\n")
 

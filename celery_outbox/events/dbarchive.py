@@ -1,6 +1,6 @@
 """A service's archive when the database holds its retries: the outbox's dead letters
 routed to the service's queues. Same answers as :mod:`.archive` gives for RabbitMQ's
-archive queue; ``outbox replay`` and ``outbox purge`` reach the same rows."""
+archive queue; ``outbox tasks replay`` and ``outbox tasks purge`` reach the same rows."""
 
 from __future__ import annotations
 

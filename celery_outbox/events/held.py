@@ -4,7 +4,7 @@ Where the broker cannot hold a retry (Redis), the worker writes the same message
 (same task id, ``retries = n + 1``) to the outbox, due ``2^n`` seconds from now and
 addressed to the subscriber's queue by name, so only that queue gets it again; the
 relay publishes it when it is due. After the last step the message is written to
-the outbox's dead letters instead (``outbox replay`` puts it back, with a fresh
+the outbox's dead letters instead (``outbox tasks replay`` puts it back, with a fresh
 retry count). Either write commits in a transaction of its own, after the
 subscriber's transaction rolled back and before the message is acknowledged: a crash
 in between redelivers the event (a duplicate), it never loses it.

@@ -1,7 +1,7 @@
 """Handler outboxes: ordered, coalesced messages run by receivers in your processes.
 
 Declare a receiver per category, emit messages in your transaction, and run
-``python manage.py outbox handlers`` (see ``docs/handlers.md``)::
+``python manage.py outbox handlers run`` (see ``docs/handlers.md``)::
 
     from celery_outbox import handlers as outbox
 

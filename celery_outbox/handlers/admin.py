@@ -3,7 +3,7 @@
 A pause added here stops its category or shard within one processor pass; deleting
 it resumes, through :class:`~celery_outbox.handlers.store.HandlerStore` so the shards
 it stopped are due at once. Dead letters can be replayed (written back at the end of
-their shards, as ``manage.py outbox handler-replay`` does). Lists show the router's
+their shards, as ``manage.py outbox handlers replay`` does). Lists show the router's
 database for these tables.
 """
 
@@ -99,7 +99,7 @@ class HandlerDeadLetterAdmin(_ReadOnly):
                 request,
                 f"{count:,} dead letters are selected; this action replays at most "
                 f"{REPLAY_LIMIT:,}. Nothing was done: narrow the selection, or use "
-                f"`manage.py outbox handler-replay` (--category, --shard, --all).",
+                f"`manage.py outbox handlers replay` (ids, --name, --key, --all).",
                 messages.ERROR,
             )
             return

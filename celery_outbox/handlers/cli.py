@@ -1,4 +1,4 @@
-"""The ``outbox`` subcommands of the handler outboxes: parse, configure, call."""
+"""What ``outbox handlers <verb>`` does (its flags are in :mod:`celery_outbox.cli.handlers`)."""
 
 from __future__ import annotations
 
@@ -8,101 +8,43 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from django.core.management.base import CommandError, CommandParser
-
 from ..conf import get_settings
 
-#: The ``outbox`` subcommands this module runs.
-SUBCOMMANDS = ("handlers", "handler-stats", "handler-replay", "pause", "resume")
+
+def databases(selected: list[str] | None) -> tuple[str, ...]:
+    """The aliases to act on: ``selected``, else every one the processor serves."""
+    from .processor import config_from_settings
+
+    chosen = tuple(selected) if selected else None
+    return config_from_settings(get_settings(), databases=chosen).databases
 
 
-def add_parsers(
-    sub: Any, kwargs: dict[str, Any], positive: Callable[[type], Any]
+def run_processor(
+    *,
+    selected: list[str] | None,
+    lease_seconds: float | None,
+    poll_interval: float | None,
+    until_empty: bool,
+    metrics_port: int | None,
+    write: Callable[[str], None],
 ) -> None:
-    """Add ``handlers``, ``handler-stats``, ``handler-replay``, ``pause``, ``resume``."""
-    run = sub.add_parser(
-        "handlers", help="Run handler-outbox receivers (no broker).", **kwargs
-    )
-    run.add_argument(
-        "--until-empty", action="store_true", help="Exit once no shard is due."
-    )
-    run.add_argument("--lease-seconds", type=positive(float), default=None)
-    run.add_argument("--poll-interval", type=positive(float), default=None)
-    run.add_argument(
-        "--metrics-port",
-        type=positive(int),
-        default=None,
-        help="Serve Prometheus metrics on this port (needs prometheus_client).",
-    )
-    _databases(run)
-    stats = sub.add_parser(
-        "handler-stats", help="Print the handler outboxes' backlog.", **kwargs
-    )
-    stats.add_argument("--format", choices=["text", "json"], default="text")
-    stats.add_argument("--top", type=positive(int), default=10, metavar="N")
-    _databases(stats)
-    replay = sub.add_parser(
-        "handler-replay",
-        help="Write handler dead letters back at the end of their shards.",
-        **kwargs,
-    )
-    replay.add_argument("--id", type=positive(int), action="append", default=None)
-    replay.add_argument("--category", default=None)
-    replay.add_argument("--shard", default=None, help="A shard key, e.g. org:42.")
-    replay.add_argument(
-        "--all", action="store_true", help="Every dead letter (no filter needed)."
-    )
-    _databases(replay)
-    for verb, text in (("pause", "Stop"), ("resume", "Restart")):
-        parser = sub.add_parser(
-            verb, help=f"{text} a handler category or shard, at runtime.", **kwargs
-        )
-        target = parser.add_mutually_exclusive_group(required=True)
-        target.add_argument("--category", default=None)
-        target.add_argument("--shard", default=None, help="A shard key, e.g. org:42.")
-        if verb == "pause":
-            parser.add_argument("--reason", default="")
-        _databases(parser)
-
-
-def _databases(parser: CommandParser) -> None:
-    parser.add_argument(
-        "--database",
-        action="append",
-        default=None,
-        help="A database alias (repeat for several); default: every one.",
-    )
-
-
-def handle(options: dict[str, Any], write: Callable[[str], None]) -> None:
-    """Run the subcommand ``options["subcommand"]``."""
+    """Run the handler processor until it stops (a signal, or empty with ``until_empty``)."""
+    from .metrics import processor_listeners
     from .processor import Processor, config_from_settings
 
     config = config_from_settings(
         get_settings(),
-        databases=tuple(options["database"]) if options["database"] else None,
-        lease_seconds=options.get("lease_seconds"),
-        poll_interval=options.get("poll_interval"),
-        until_empty=options.get("until_empty") or None,
+        databases=tuple(selected) if selected else None,
+        lease_seconds=lease_seconds,
+        poll_interval=poll_interval,
+        until_empty=until_empty or None,
     )
-    command = options["subcommand"]
-    if command == "handlers":
-        from .metrics import processor_listeners
-
-        listeners = processor_listeners(
-            get_settings(), config.databases, options.get("metrics_port")
-        )
-        try:
-            _run(Processor(config, listeners=listeners), write)
-        finally:
-            for listener in listeners:
-                listener.close()
-    elif command == "handler-stats":
-        _stats(config.databases, options["format"], options["top"], write)
-    elif command == "handler-replay":
-        _replay(config.databases, options, write)
-    else:
-        _switch(command, config.databases, options, write)
+    listeners = processor_listeners(get_settings(), config.databases, metrics_port)
+    try:
+        _run(Processor(config, listeners=listeners), write)
+    finally:
+        for listener in listeners:
+            listener.close()
 
 
 def _run(processor: Any, write: Callable[[str], None]) -> None:
@@ -120,9 +62,10 @@ def _run(processor: Any, write: Callable[[str], None]) -> None:
     write(f"handler processor stopped: {reason.value}")
 
 
-def _stats(
+def stats(
     databases: tuple[str, ...], fmt: str, top: int, write: Callable[[str], None]
 ) -> None:
+    """Print the backlog of the handler outboxes on ``databases``."""
     from .store import HandlerStore
 
     reports = [HandlerStore(alias).stats(top) for alias in databases]
@@ -156,17 +99,18 @@ def _stats(
                 write(f"    {depth.shard}: {depth.messages}")
 
 
-def _replay(
-    databases: tuple[str, ...], options: dict[str, Any], write: Callable[[str], None]
+def replay(
+    databases: tuple[str, ...],
+    *,
+    ids: list[int] | None,
+    category: str | None,
+    shard: str | None,
+    write: Callable[[str], None],
 ) -> None:
+    """Write the selected dead letters back at the end of their shards."""
     from .registry import registry
     from .store import HandlerStore
 
-    ids, category, shard = options["id"], options["category"], options["shard"]
-    if not (ids or category or shard or options["all"]):
-        raise CommandError(
-            "name what to replay: --id N (repeatable), --category, --shard, or --all"
-        )
     for alias in databases:
         report = HandlerStore(alias).replay(
             ids=ids, category=category, shard=shard, coalesces=registry.coalesces
@@ -184,22 +128,22 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
-def _switch(
+def switch(
     command: str,
     databases: tuple[str, ...],
-    options: dict[str, Any],
+    *,
+    kind: str,
+    value: str,
+    reason: str,
     write: Callable[[str], None],
 ) -> None:
+    """``pause`` or ``resume`` a category or a shard (``kind``) on every database."""
     from .store import HandlerStore
 
-    kind = "category" if options["category"] is not None else "shard"
-    value = options[kind]
-    if not value:
-        raise CommandError(f"give a non-empty --{kind}")
     for alias in databases:
         store = HandlerStore(alias)
         if command == "pause":
-            changed = store.pause(kind, value, options["reason"])
+            changed = store.pause(kind, value, reason)
             state = "paused" if changed else "already paused"
         else:
             changed = store.resume(kind, value)

@@ -5,7 +5,7 @@
 (blocked heads, running strict heads, keyed rows); with "blocked heads" picked the
 list shows each blocked key, its head's task, when it blocked and its last error.
 Three actions act on the keys of the selected rows through the same store methods
-as ``manage.py outbox_ordering``:
+as ``manage.py outbox ordering``:
 
 * retry: the head is due again with fresh attempts (``retry KEY``);
 * skip: the head is deleted and the key goes on (``skip KEY --delete``);

@@ -3,7 +3,7 @@
 A failed subscriber's retry is an outbox row due a few seconds from now; an event whose
 retries are used up is a dead letter written at once. A service's archive is the
 dead letters routed to its queues (routing key ``<exchange>:<service>:...``), so the
-operator commands (``outbox replay``, ``outbox purge``) work on it as on any other.
+operator commands (``outbox tasks replay``, ``outbox tasks purge``) work on it as on any other.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .store import check_fits, message_values
 class DeadEvent:
     """One dead letter of a service's events, as the archive commands show it."""
 
-    #: The dead letter's row id (what ``outbox replay --id`` takes).
+    #: The dead letter's row id (what ``outbox tasks replay ID`` takes).
     row_id: int
     task_id: str
     routing_key: str
@@ -49,7 +49,7 @@ class EventRows(StoreBase):
 
     def insert_dead(self, envelopes: Sequence[Envelope], reason: str) -> None:
         """Write messages straight into the dead letters with ``reason``, in the
-        caller's transaction; ``outbox replay`` puts them back like any other."""
+        caller's transaction; ``outbox tasks replay`` puts them back like any other."""
         self._insert(envelopes, delay=0.0, reason=reason)
 
     def dead_events(self, prefix: str, limit: int | None = None) -> list[DeadEvent]:

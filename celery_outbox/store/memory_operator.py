@@ -2,7 +2,7 @@
 
 It answers and acts as :class:`~celery_outbox.store.operator.OperatorQueries` does,
 on the :class:`~.memory.Tables` an :class:`~.memory.InMemoryStore` relays from, so
-a test can drive ``outbox stats``, ``replay`` and ``purge`` (:mod:`celery_outbox.operations`)
+a test can drive ``outbox tasks stats``, ``replay`` and ``purge`` (:mod:`celery_outbox.operations`)
 against the rows the relay loop left, without a database. Time is the tables'
 clock; ``since``/``until`` of a replay read it as seconds since the epoch.
 """

@@ -97,7 +97,7 @@ class OrderingStats:
     oldest_head_seconds: float | None
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON shape of ``outbox_ordering stats``."""
+        """The JSON shape of ``outbox ordering stats``."""
         return {
             "keys": self.keys,
             "keyed_rows": self.keyed_rows,

@@ -57,7 +57,7 @@ class Stats:
     next_due_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON shape of ``outbox stats --format json``."""
+        """The JSON shape of ``outbox tasks stats --format json``."""
         return {
             "pending": self.pending,
             "due": self.due,

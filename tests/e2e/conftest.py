@@ -184,8 +184,8 @@ class Stack:
         return code, proc.output()
 
     def start_handlers(self, *options: str, name: str = "handlers") -> Proc:
-        """Start ``manage.py outbox handlers`` (the handler processor), not waiting."""
-        args = [sys.executable, "manage.py", "outbox", "handlers", *options]
+        """Start ``manage.py outbox handlers run`` (the handler processor), not waiting."""
+        args = [sys.executable, "manage.py", "outbox", "handlers", "run", *options]
         return self._spawn(name, args)
 
     def start_worker(self, pool: str = "threads", concurrency: int = 4) -> Proc:

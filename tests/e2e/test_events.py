@@ -246,25 +246,23 @@ def test_failing_subscriber_is_retried_at_1_2_4_s_then_archived_and_replayed(
         expected = 2**step
         assert abs(delay - expected) <= max(0.1 * expected, 0.5), delays
     assert "retries=3" in events.command(
-        "--app", "tests.events_project.billing.app", "archive", "list"
+        "--app", "tests.events_project.billing.app", "inspect"
     )
     events.set_flag("billing", "fail", False)  # the fix is deployed
     if events.on_redis:
         # The archive is the outbox's dead letters: the usual replay reaches it.
-        out = events.outbox("replay", "--task", "celery_outbox.events.deliver")
+        out = events.outbox("tasks", "replay", "--name", "celery_outbox.events.deliver")
     else:
         out = events.command(
-            "--app", "tests.events_project.billing.app", "archive", "replay", "--all"
+            "--app", "tests.events_project.billing.app", "replay", "--all"
         )
     assert "replayed 1" in out.lower(), out
     wait_until(lambda: len(events.records("billing", "done")) == 1, 30, "the replay")
     time.sleep(1.5)
     assert [row["payload"] for row in events.records("billing", "done")] == [1]
     assert (
-        events.command(
-            "--app", "tests.events_project.billing.app", "archive", "count"
-        ).strip()
-        == "0"
+        events.command("--app", "tests.events_project.billing.app", "inspect").strip()
+        == ""
     )
 
 

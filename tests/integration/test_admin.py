@@ -286,4 +286,4 @@ def test_an_action_on_more_rows_than_the_limit_does_nothing_and_says_why(
     assert (store.stats().pending, store.stats().dead) == before
     assert not LogEntry.objects.exists()
     if rows == "dead":
-        assert "manage.py outbox replay" in html
+        assert "manage.py outbox tasks replay" in html

@@ -53,10 +53,10 @@ def no_tables(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     "command",
     [
-        ["outbox_ordering", "stats"],
-        ["outbox_ordering", "retry", "org:1"],
-        ["outbox", "stats"],
-        ["outbox", "replay", "--all"],
+        ["outbox", "ordering", "stats"],
+        ["outbox", "ordering", "retry", "--key", "org:1"],
+        ["outbox", "tasks", "stats"],
+        ["outbox", "tasks", "replay", "--all"],
     ],
     ids=" ".join,
 )
@@ -71,7 +71,7 @@ def test_without_tables_a_command_exits_1_with_the_migrate_hint(
 
 
 def test_an_unreachable_database_is_named_with_its_alias() -> None:
-    done = manage("outbox_ordering", "stats", OUTBOX_PG_PORT="1")
+    done = manage("outbox", "ordering", "stats", OUTBOX_PG_PORT="1")
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert "Check that the outbox database runs and that DATABASES['default']" in (
@@ -97,7 +97,7 @@ def billing_events(*args: str) -> None:
 @pytest.mark.django_db(transaction=True)
 def test_an_archive_never_declared_is_not_reported_empty(events_exchange: str) -> None:
     with pytest.raises(CommandError, match="outbox events declare"):
-        billing_events("archive", "count")
+        billing_events("inspect")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -106,7 +106,7 @@ def test_replaying_unknown_archived_ids_exits_1(events_exchange: str) -> None:
     with pytest.raises(
         CommandError, match=r"1 of the 1 id\(s\) given match no archived"
     ):
-        billing_events("archive", "replay", "no-such-event")
+        billing_events("replay", "no-such-event")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -117,14 +117,14 @@ def test_replaying_unknown_ids_of_an_archive_in_the_database_exits_1(
         override_settings(CELERY_OUTBOX_EVENTS_RETRIES="database"),
         pytest.raises(CommandError, match="match no archived event"),
     ):
-        billing_events("archive", "replay", "no-such-event")
+        billing_events("replay", "no-such-event")
 
 
 @pytest.mark.django_db(transaction=True)
 def test_an_unknown_ordering_key_has_no_blocked_head() -> None:
-    for action in ("retry", "skip", "dead-letter"):
+    for action in ("retry", "skip"):
         with pytest.raises(CommandError, match="has no blocked head"):
-            call_command("outbox_ordering", action, "no-such-key")
+            call_command("outbox", "ordering", action, "--key", "no-such-key")
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def without_history_table() -> Iterator[str]:
 @pytest.mark.django_db(databases="__all__", transaction=True)
 def test_a_missing_history_table_says_to_migrate(without_history_table: str) -> None:
     with pytest.raises(CommandError) as raised:
-        call_command("outbox", "inspect", "some-task-id")
+        call_command("outbox", "tasks", "inspect", "some-task-id")
     message = str(raised.value)
     assert "table missing on outbox database 'sqlite': celery_outbox_history" in message
     assert "python manage.py migrate celery_outbox --database sqlite" in message

@@ -203,7 +203,7 @@ def test_shards_that_differ_in_case_or_accent_stay_apart(alias: str) -> None:
         with transaction.atomic(using=alias):
             for shard in shards:
                 emit(name, shard=shard, object_id=1, payload=shard, using=alias)
-        call_command("outbox", "handlers", "--until-empty", "--database", alias)
+        call_command("outbox", "handlers", "run", "--until-empty", "--database", alias)
     finally:
         registry.remove(name)
     # Each receiver call got the shard as it was emitted, with its own message.

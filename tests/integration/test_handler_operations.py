@@ -115,7 +115,9 @@ def test_the_command_sends_statsd_metrics(
         emit(name, shard="a", object_id=1, payload="x")
     lines: set[str] = set()
     try:
-        call_command("outbox", "handlers", "--until-empty", "--database", "default")
+        call_command(
+            "outbox", "handlers", "run", "--until-empty", "--database", "default"
+        )
         while "celery_outbox_handler_messages:0|g" not in lines:
             lines.add(server.recv(1024).decode())
     except TimeoutError:
@@ -185,7 +187,7 @@ def run_stats(alias: str) -> str:
     from io import StringIO
 
     out = StringIO()
-    call_command("outbox", "handler-stats", "--database", alias, stdout=out)
+    call_command("outbox", "handlers", "stats", "--database", alias, stdout=out)
     return out.getvalue()
 
 
@@ -224,8 +226,8 @@ def test_the_command_replays_dead_letters_in_order_at_the_end_of_the_shard(
     categories.add(Category(name, lambda **kw: ran.append(kw["payload"])))
 
     with pytest.raises(CommandError, match="--all"):
-        call_command("outbox", "handler-replay", "--database", alias)
-    call_command("outbox", "handler-replay", "--category", name, "--database", alias)
+        call_command("outbox", "handlers", "replay", "--database", alias)
+    call_command("outbox", "handlers", "replay", "--name", name, "--database", alias)
 
     assert not HandlerDeadLetter.objects.using(alias).exists()
     processor(alias, categories).run()

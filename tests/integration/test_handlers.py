@@ -430,16 +430,18 @@ def test_the_commands_run_pause_resume_and_report(
     calls = Calls()
     registry.add(Category(name, recorder(calls)))
     try:
-        call_command("outbox", "pause", "--category", name, "--database", alias)
+        call_command("outbox", "handlers", "pause", "--name", name, "--database", alias)
         with transaction.atomic(using=alias):
             emit(name, shard="a", object_id=1, payload="x", using=alias)
-        call_command("outbox", "handlers", "--until-empty", "--database", alias)
+        call_command("outbox", "handlers", "run", "--until-empty", "--database", alias)
         assert calls.items == []
-        call_command("outbox", "handler-stats", "--database", alias, "--top", "3")
+        call_command("outbox", "handlers", "stats", "--database", alias, "--top", "3")
         out = capsys.readouterr().out
         assert f"paused categories: {name}" in out and "a: 1" in out
-        call_command("outbox", "resume", "--category", name, "--database", alias)
-        call_command("outbox", "handlers", "--until-empty", "--database", alias)
+        call_command(
+            "outbox", "handlers", "resume", "--name", name, "--database", alias
+        )
+        call_command("outbox", "handlers", "run", "--until-empty", "--database", alias)
         assert calls.payloads() == ["x"]
     finally:
         registry.remove(name)

@@ -257,7 +257,7 @@ def on_alias(alias: str) -> Iterator[str]:
 
 def inspect(*args: str) -> str:
     out = StringIO()
-    call_command("outbox", "inspect", *args, stdout=out)
+    call_command("outbox", "tasks", "inspect", *args, stdout=out)
     return out.getvalue()
 
 
@@ -326,7 +326,7 @@ def test_inspect_a_dead_letter(on_alias: str, store: Stores) -> None:
     assert report["state"] == "dead"
     assert (
         report["dead letter"]
-        == f"{dead.id} (replay: manage.py outbox replay {dead.id})"
+        == f"{dead.id} (replay: manage.py outbox tasks replay {dead.id})"
     )
     assert report["reason"] == "PreconditionFailed: message too big"
     assert report["attempts"] == "1"
@@ -395,7 +395,7 @@ def test_inspect_exits_non_zero_for_an_unknown_task_id() -> None:
         if connection.vendor == "mysql":
             environ["OUTBOX_MYSQL_NAME"] = str(connection.settings_dict["NAME"])
     done = subprocess.run(
-        [sys.executable, "-m", "django", "outbox", "inspect", "no-such-task"],
+        [sys.executable, "-m", "django", "outbox", "tasks", "inspect", "no-such-task"],
         cwd=ROOT,
         env=environ,
         capture_output=True,

@@ -383,7 +383,7 @@ def test_ambiguous_durations_and_moments_are_refused_with_the_ways_to_say_them()
 
 def test_the_since_option_refuses_a_compact_date_before_touching_anything() -> None:
     with pytest.raises(CommandError, match="ambiguous"):
-        outbox("replay", "--since", "20240501", "--dry-run")
+        outbox("tasks", "replay", "--since", "20240501", "--dry-run")
 
 
 def test_stats_json_keeps_its_keys_and_adds_the_breakdown(on_alias: str) -> None:
@@ -392,7 +392,7 @@ def test_stats_json_keeps_its_keys_and_adds_the_breakdown(on_alias: str) -> None
     add(store, "a", "b")
     fail_once(store)
 
-    data = json.loads(outbox("stats", "--format", "json", "--top", "3")[0])
+    data = json.loads(outbox("tasks", "stats", "--format", "json", "--top", "3")[0])
 
     assert {"pending", "due", "dead", "oldest_pending_seconds", "in_flight"} <= set(
         data
@@ -414,12 +414,12 @@ def test_stats_text_and_prometheus(on_alias: str) -> None:
     kill(store, "x", task_name='odd"name')
     add(store, "a")
 
-    text = outbox("stats", "--top", "2")[0]
+    text = outbox("tasks", "stats", "--top", "2")[0]
     assert "pending   1" in text
     assert "dead      1" in text
     assert 'odd"name  1' in text
 
-    prom = outbox("stats", "--format", "prometheus", "--top", "2")[0]
+    prom = outbox("tasks", "stats", "--format", "prometheus", "--top", "2")[0]
     assert "# TYPE celery_outbox_pending gauge" in prom
     assert "\ncelery_outbox_pending 1\n" in prom
     assert "celery_outbox_dead 1" in prom
@@ -428,7 +428,9 @@ def test_stats_text_and_prometheus(on_alias: str) -> None:
 
 
 def test_stats_watch_refreshes(on_alias: str) -> None:
-    out = outbox("stats", "--format", "json", "--watch", "0.01", "--iterations", "3")[0]
+    out = outbox(
+        "tasks", "stats", "--format", "json", "--watch", "0.01", "--iterations", "3"
+    )[0]
     assert [json.loads(line)["pending"] for line in out.splitlines()] == [0, 0, 0]
 
 
@@ -436,7 +438,9 @@ def test_replay_command_window_without_use_tz(on_alias: str) -> None:
     # MySQL and SQLite take only naive datetimes when USE_TZ is off.
     kill(Stores(on_alias).operator(), "a")
     with override_settings(USE_TZ=False):
-        out = outbox("replay", "--since", "1h", "--until", "2999-01-01T00:00:00")[0]
+        out = outbox(
+            "tasks", "replay", "--since", "1h", "--until", "2999-01-01T00:00:00"
+        )[0]
     assert "replayed 1" in out
 
 
@@ -444,10 +448,10 @@ def test_command_values_that_only_look_like_numbers_are_refused(
     on_alias: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(CommandError, match="positive integers, got '²'"):
-        outbox("replay", "²")
+        outbox("tasks", "replay", "²")
     for value in ("nan", "inf"):
         with pytest.raises(SystemExit):  # argparse's usage error, as for any bad value
-            outbox("stats", "--watch", value, "--iterations", "1")
+            outbox("tasks", "stats", "--watch", value, "--iterations", "1")
         assert "must be a positive, finite number" in capsys.readouterr().err
 
 
@@ -456,11 +460,11 @@ def test_replay_command_dry_run_then_real(on_alias: str) -> None:
     kill(store, "a", "b", task_name="billing.charge")
     kill(store, "c", task_name="shop.add")
 
-    out = outbox("replay", "--task", "billing.*", "--dry-run")[0]
+    out = outbox("tasks", "replay", "--name", "billing.*", "--dry-run")[0]
     assert out.strip() == "would replay 2 dead letter(s): billing.charge 2 (dry run)"
     assert store.stats().dead == 3
 
-    out = outbox("replay", "--task", "billing.*", "--since", "1h")[0]
+    out = outbox("tasks", "replay", "--name", "billing.*", "--since", "1h")[0]
     assert out.strip() == "replayed 2 dead letter(s) into the outbox: billing.charge 2"
     assert (store.stats().dead, store.stats().pending) == (1, 2)
 
@@ -470,7 +474,7 @@ def test_replay_command_by_id_with_a_progress_bar(on_alias: str) -> None:
     task_ids = kill(store, "a", "b", "c", "d", "e")
     ids = [str(dead_id(on_alias, t)) for t in task_ids]
 
-    out, err = outbox("replay", *ids, "--chunk-size", "2")
+    out, err = outbox("tasks", "replay", *ids, "--chunk-size", "2")
 
     assert "replayed 5 dead letter(s)" in out
     assert err.startswith("\rreplaying:")  # tqdm, redrawn in place on stderr
@@ -487,15 +491,15 @@ def test_replay_command_by_id_with_a_progress_bar(on_alias: str) -> None:
         (("replay", "abc"), "dead-letter ids are positive integers, got 'abc'"),
         (("replay", "--since", "yesterday"), "--since: 'yesterday' is neither"),
         (("replay", "--since", "1h", "--until", "2h"), "must be before --until"),
-        (("replay", "--all", "--task", "x"), "--all cannot be combined"),
-        (("purge",), "give --older-than"),
-        (("purge", "--all", "--older-than", "1d"), "--all cannot be combined"),
-        (("purge", "--older-than", "soon"), "--older-than: 'soon' is not a duration"),
+        (("replay", "--all", "--name", "x"), "--all cannot be combined"),
+        (("purge",), "tasks purge: say which: --until WHEN, --name GLOB, or --all"),
+        (("purge", "--all", "--until", "1d"), "--all cannot be combined"),
+        (("purge", "--until", "soon"), "--until: 'soon' is neither"),
     ],
 )
 def test_bad_arguments_name_the_problem(args: tuple[str, ...], message: str) -> None:
     with pytest.raises(CommandError, match=message.replace("(", r"\(")):
-        outbox(*args)
+        outbox("tasks", *args)
 
 
 def test_purge_command(on_alias: str) -> None:
@@ -504,23 +508,15 @@ def test_purge_command(on_alias: str) -> None:
     kill(store, "fresh")
     age_dead_letters(on_alias, 10, *old)
 
-    out = outbox("purge", "--older-than", "7d", "--dry-run")[0]
+    out = outbox("tasks", "purge", "--until", "7d", "--dry-run")[0]
     assert out.strip() == "would delete 2 dead letter(s) older than 7d (dry run)"
-    assert outbox("purge", "--older-than", "7d", "--task", "other.*")[0].strip() == (
-        "deleted 0 dead letter(s) of other.* older than 7d"
-    )
-    assert outbox("purge", "--older-than", "7d", "--chunk-size", "1")[0].strip() == (
-        "deleted 2 dead letter(s) older than 7d"
-    )
+    assert outbox("tasks", "purge", "--until", "7d", "--name", "other.*")[
+        0
+    ].strip() == ("deleted 0 dead letter(s) of other.* older than 7d")
+    assert outbox("tasks", "purge", "--until", "7d", "--chunk-size", "1")[
+        0
+    ].strip() == ("deleted 2 dead letter(s) older than 7d")
     assert store.stats().dead == 1
-    with override_settings(CELERY_OUTBOX_DEAD_LETTER_RETENTION=3600):
-        age_dead_letters(
-            on_alias,
-            1,
-            *DeadLetter.objects.using(on_alias).values_list("task_id", flat=True),
-        )
-        assert outbox("purge")[0].strip() == "deleted 1 dead letter(s) older than 1h"
-    assert store.stats().dead == 0
 
 
 def test_replaying_ids_that_match_no_dead_letter_fails_after_replaying_the_rest(
@@ -530,7 +526,7 @@ def test_replaying_ids_that_match_no_dead_letter_fails_after_replaying_the_rest(
     [task_id] = kill(store, "a")
     real = str(dead_id(on_alias, task_id))
     with pytest.raises(CommandError) as raised:
-        outbox("replay", real, "999999998", "999999999")
+        outbox("tasks", "replay", real, "999999998", "999999999")
     assert "replayed 1 dead letter(s)" in str(raised.value)
     assert "2 of the 3 id(s) given match no dead letter" in str(raised.value)
     assert (store.stats().dead, store.stats().pending) == (0, 1)
@@ -539,17 +535,20 @@ def test_replaying_ids_that_match_no_dead_letter_fails_after_replaying_the_rest(
 def test_purge_all_deletes_every_dead_letter_whatever_its_age(on_alias: str) -> None:
     store = Stores(on_alias).operator()
     kill(store, "just", "died")
-    assert outbox("purge", "--all", "--dry-run")[0].strip() == (
+    assert outbox("tasks", "purge", "--all", "--dry-run")[0].strip() == (
         "would delete 2 dead letter(s) of any age (dry run)"
     )
-    assert outbox("purge", "--all")[0].strip() == "deleted 2 dead letter(s) of any age"
+    assert (
+        outbox("tasks", "purge", "--all")[0].strip()
+        == "deleted 2 dead letter(s) of any age"
+    )
     assert store.stats().dead == 0
 
 
 @pytest.mark.parametrize("when", ["99999999d", "20240501w", "1" + "0" * 20 + "s"])
 def test_a_moment_too_far_back_is_refused_with_a_clear_error(when: str) -> None:
     with pytest.raises(CommandError, match=r"--since: .* too far back"):
-        outbox("replay", "--since", when, "--dry-run")
+        outbox("tasks", "replay", "--since", when, "--dry-run")
 
 
 @pytest.fixture
@@ -566,7 +565,7 @@ def unmigrated_sqlite() -> Iterator[str]:
 
 
 @pytest.mark.parametrize(
-    "command", [("stats",), ("health",), ("relay", "--until-empty")]
+    "command", [("tasks", "stats"), ("health",), ("relay", "--until-empty")]
 )
 def test_commands_on_a_database_without_the_tables_say_to_migrate(
     unmigrated_sqlite: str, command: tuple[str, ...]

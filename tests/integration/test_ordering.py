@@ -285,7 +285,7 @@ def test_the_command_lists_and_skips_a_blocked_head(alias: str, settings: Any) -
     )
     store.settle(claim.token, ordered_settlement(failed, claim.messages, 300.0))
     out = StringIO()
-    call_command("outbox_ordering", "stats", stdout=out)
+    call_command("outbox", "ordering", "stats", stdout=out)
     assert "blocked A: shop.record" in out.getvalue() and "nope" in out.getvalue()
-    call_command("outbox_ordering", "skip", "A", stdout=out)
+    call_command("outbox", "ordering", "skip", "--key", "A", stdout=out)
     assert tags(store.claim(10, 30).messages) == ["a1"]

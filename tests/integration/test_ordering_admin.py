@@ -190,12 +190,12 @@ def test_the_command_dead_letters_a_blocked_head(store: OrderingQueries) -> None
     block_heads(store, 1, "refused")
     out = StringIO()
 
-    call_command("outbox_ordering", "stats", stdout=out)
+    call_command("outbox", "ordering", "stats", stdout=out)
     assert "blocked A: shop.record" in out.getvalue() and "rows, for " in out.getvalue()
-    call_command("outbox_ordering", "dead-letter", "A", stdout=out)
+    call_command("outbox", "ordering", "skip", "--key", "A", stdout=out)
 
-    assert "dead-letter: the head of 'A'" in out.getvalue()
+    assert "skip: the head of 'A'" in out.getvalue()
     assert DeadLetter.objects.using(store.alias).get().ordering_key == "A"
     assert claimed_tags(store) == ["a1"]
     with pytest.raises(CommandError, match="no blocked head"):
-        call_command("outbox_ordering", "dead-letter", "A", stdout=out)
+        call_command("outbox", "ordering", "skip", "--key", "A", stdout=out)

@@ -113,12 +113,12 @@ def test_the_history_records_the_revoke_and_inspect_says_so(on_alias: str) -> No
     (task_id,) = committed(on_alias, "revoked")
     app.AsyncResult(task_id).revoke()
     out = StringIO()
-    call_command("outbox", "inspect", task_id, stdout=out)
+    call_command("outbox", "tasks", "inspect", task_id, stdout=out)
     text = out.getvalue()
     assert "state        revoked" in text
     assert "before it was published" in text
     out = StringIO()
-    call_command("outbox", "inspect", task_id, "--format", "json", stdout=out)
+    call_command("outbox", "tasks", "inspect", task_id, "--format", "json", stdout=out)
     data = json.loads(out.getvalue())
     assert data["state"] == "revoked"
     assert [e["event"] for e in data["history"]] == ["revoked"]

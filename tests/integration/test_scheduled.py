@@ -166,12 +166,12 @@ def test_stats_tell_scheduled_rows_apart_and_leave_them_out_of_the_oldest_age(
     assert after.oldest_pending_seconds < 30
 
     out = StringIO()
-    call_command("outbox", "stats", "--format", "json", stdout=out)
+    call_command("outbox", "tasks", "stats", "--format", "json", stdout=out)
     data = json.loads(out.getvalue())
     assert (data["scheduled"], data["due"]) == (2, 1)
     assert HOUR - 5 < data["next_due_seconds"] <= HOUR
     out = StringIO()
-    call_command("outbox", "stats", stdout=out)
+    call_command("outbox", "tasks", "stats", stdout=out)
     assert "scheduled 2 (next due in " in out.getvalue()
 
 
@@ -179,12 +179,14 @@ def test_inspect_says_when_a_scheduled_task_is_due(on_alias: str) -> None:
     with transaction.atomic(using=on_alias):
         result = record.apply_async(("later",), countdown=HOUR)
     out = StringIO()
-    call_command("outbox", "inspect", result.id, stdout=out)
+    call_command("outbox", "tasks", "inspect", result.id, stdout=out)
     text = out.getvalue()
     assert "state        scheduled" in text
     assert "due at" in text and "(its ETA)" in text
     out = StringIO()
-    call_command("outbox", "inspect", result.id, "--format", "json", stdout=out)
+    call_command(
+        "outbox", "tasks", "inspect", result.id, "--format", "json", stdout=out
+    )
     data = json.loads(out.getvalue())
     assert data["state"] == "scheduled"
     assert data["outbox"][0]["due_at"] is not None

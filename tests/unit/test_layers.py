@@ -66,6 +66,7 @@ PLACES = {
     "celery_outbox.app": "top",
     "celery_outbox.apps": "top",
     "celery_outbox.checks": "top",
+    "celery_outbox.cli": "top",
     "celery_outbox.contrib": "top",
     "celery_outbox.enqueue": "top",
     "celery_outbox.events.commands": "top",

@@ -1,0 +1,73 @@
+"""The ``outbox`` parser: ``outbox <lane> <verb>``, plus the processes; and its dispatch.
+
+Every parser a verb ends on sets ``run``, the function that does its work, as a
+default: dispatching is calling it (old spellings set a ``run`` that warns first).
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import ModuleType
+from typing import Any
+
+from . import deprecated, events, handlers, ordering, tasks
+from .options import Streams
+from .relay import add_relay, run_health
+
+#: The lanes of work, in the order the help lists them.
+LANES: dict[str, ModuleType] = {
+    "tasks": tasks,
+    "ordering": ordering,
+    "handlers": handlers,
+    "events": events,
+}
+
+DESCRIPTION = (
+    "celery-outbox. Usage: outbox <lane> <verb> [selectors] [options]. "
+    "Lanes: tasks (plain tasks), ordering (ordered keys), handlers (handler "
+    "outboxes), events (events to other services). Verbs, the same on every lane "
+    "that has them: stats, inspect, replay, purge, pause, resume, retry, skip. "
+    "'outbox events' is not 'celery events' (worker monitoring) and 'outbox tasks "
+    "inspect' is not 'celery inspect' (worker control): both act on the outbox. "
+    "'outbox <lane> --help' lists a lane's verbs."
+)
+
+
+def build(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
+    """Add every command, lane and verb (and the old spellings, unlisted)."""
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="{relay,health,tasks,ordering,handlers,events}",
+    )
+    add_relay(
+        commands.add_parser(
+            "relay",
+            help="Run the relay: publish committed rows to the broker.",
+            description="Run the relay: publish committed rows to the broker. Each "
+            "flag overrides its CELERY_OUTBOX_* setting for this process.",
+            **kwargs,
+        )
+    )
+    commands.add_parser(
+        "health",
+        help="Exit non-zero with a reason when the database or the broker is "
+        "unreachable.",
+        **kwargs,
+    ).set_defaults(run=run_health)
+    for name, lane in LANES.items():
+        parser = commands.add_parser(
+            name,
+            help=lane.HELP,
+            description=f"{lane.HELP} Usage: outbox {name} <verb>; "
+            f"'outbox {name} <verb> --help' lists a verb's flags.",
+            **kwargs,
+        )
+        verbs = lane.add(parser, kwargs)
+        deprecated.add_to_lane(name, parser, verbs, kwargs)
+    deprecated.add(commands, kwargs)
+
+
+def dispatch(options: dict[str, Any], out: Any, err: Any) -> None:
+    """Run what ``options`` (as parsed by :func:`build`'s parser) asks for."""
+    options["run"](options, Streams(out, err))
