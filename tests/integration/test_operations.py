@@ -553,11 +553,18 @@ def test_a_moment_too_far_back_is_refused_with_a_clear_error(when: str) -> None:
 
 @pytest.fixture
 def unmigrated_sqlite() -> Iterator[str]:
-    """The SQLite alias with its outbox table moved away (autocommit DDL), then back."""
+    """The SQLite alias with its outbox table moved away (autocommit DDL), then back.
+
+    The app is named: other tests of a session make apps of their own, and a relay
+    that cannot tell which app to use says so before it looks at any table.
+    """
     with connections["sqlite"].cursor() as cursor:
         cursor.execute("ALTER TABLE celery_outbox_message RENAME TO hidden_outbox")
     try:
-        with override_settings(CELERY_OUTBOX_DATABASE="sqlite"):
+        with override_settings(
+            CELERY_OUTBOX_DATABASE="sqlite",
+            CELERY_OUTBOX_APP="tests.project.celery_app.app",
+        ):
             yield "sqlite"
     finally:
         with connections["sqlite"].cursor() as cursor:
