@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -28,6 +27,11 @@ def add_parsers(
     )
     run.add_argument("--lease-seconds", type=positive(float), default=None)
     run.add_argument("--poll-interval", type=positive(float), default=None)
+    run.add_argument(
+        "--liveness-file",
+        default=None,
+        help="Touch this file while the processor runs (a liveness probe).",
+    )
     run.add_argument(
         "--metrics-port",
         type=positive(int),
@@ -84,6 +88,7 @@ def handle(options: dict[str, Any], write: Callable[[str], None]) -> None:
         lease_seconds=options.get("lease_seconds"),
         poll_interval=options.get("poll_interval"),
         until_empty=options.get("until_empty") or None,
+        liveness_file=options.get("liveness_file"),
     )
     command = options["subcommand"]
     if command == "handlers":
@@ -106,17 +111,10 @@ def handle(options: dict[str, Any], write: Callable[[str], None]) -> None:
 
 
 def _run(processor: Any, write: Callable[[str], None]) -> None:
-    def on_signal(signum: int, _frame: Any) -> None:
-        processor.stop()
+    from ..engine.loop import stop_on_signals
 
-    previous = {
-        sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-    }
-    try:
+    with stop_on_signals(processor.stop):
         reason = processor.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     write(f"handler processor stopped: {reason.value}")
 
 

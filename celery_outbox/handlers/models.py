@@ -29,6 +29,11 @@ class HandlerMessage(models.Model):
         verbose_name = "handler message"
         indexes = [
             models.Index(fields=["shard", "id"], name="co_handler_msg_shard_idx"),
+            # The newest message of an object in its shard (coalescing).
+            models.Index(
+                fields=["shard", "category", "object_id", "id"],
+                name="co_handler_msg_object_idx",
+            ),
             models.Index(fields=["created_at"], name="co_handler_msg_age_idx"),
         ]
 
@@ -44,6 +49,9 @@ class HandlerShard(models.Model):
     #: Set while one processor owns the shard; every write it makes checks it.
     lease_token = models.CharField(max_length=32, null=True, blank=True)
     leased_until = models.DateTimeField(null=True, blank=True)
+    #: The member id (:class:`HandlerProcessor`) of the processor holding the lease:
+    #: when it stops beating, another processor ends the lease at once.
+    holder = models.CharField(max_length=32, null=True, blank=True)
     #: When a processor may claim the shard (later than now while the head backs off).
     next_attempt_at = models.DateTimeField()
     #: Failed runs of the head message ``head_id``; 0 when the head is not failing.
@@ -63,6 +71,7 @@ class HandlerShard(models.Model):
                 fields=["next_attempt_at", "id"], name="co_handler_shard_due_idx"
             ),
             models.Index(fields=["held_by"], name="co_handler_shard_held_idx"),
+            models.Index(fields=["holder"], name="co_handler_shard_holder_idx"),
         ]
 
     def __str__(self) -> str:
@@ -134,3 +143,19 @@ class HandlerCounter(models.Model):
 
     def __str__(self) -> str:
         return self.category
+
+
+class HandlerProcessor(models.Model):
+    """A running processor's heartbeat: silent for three beats, its shards are taken."""
+
+    id = models.CharField(max_length=32, primary_key=True)
+    #: ``host:pid``, for operators.
+    name = models.CharField(max_length=255)
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "celery_outbox_handler_processor"
+        verbose_name = "handler processor"
+
+    def __str__(self) -> str:
+        return self.name

@@ -12,12 +12,14 @@ processor cannot take the shard over between the fence and the commit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
-from django.db import transaction
+from django.db import DatabaseError, InterfaceError, connections, transaction
 from django.db.models import (
     Count,
     DateTimeField,
@@ -25,6 +27,7 @@ from django.db.models import (
     Exists,
     ExpressionWrapper,
     F,
+    Max,
     Min,
     OuterRef,
     Q,
@@ -34,15 +37,37 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from ..exceptions import OutboxError
-from .core import FailureDecision, Row
+from ..exceptions import OutboxDatabaseError, OutboxError
+from .core import Row
 from .models import (
     HandlerCounter,
     HandlerDeadLetter,
     HandlerMessage,
     HandlerPause,
+    HandlerProcessor,
     HandlerShard,
 )
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def translated(
+    method: Callable[Concatenate[HandlerStore, _P], _R],
+) -> Callable[Concatenate[HandlerStore, _P], _R]:
+    """Driver errors of ``method`` become :class:`OutboxDatabaseError`, naming the alias."""
+
+    @functools.wraps(method)
+    def wrapper(store: HandlerStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(store, *args, **kwargs)
+        except (DatabaseError, InterfaceError) as exc:
+            raise OutboxDatabaseError(
+                f"handler database {store.using!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    return wrapper
+
 
 #: Characters of a receiver's error kept on the shard and in a dead letter.
 ERROR_LIMIT = 4000
@@ -159,10 +184,31 @@ def _free() -> Q:
 
 
 class HandlerStore:
-    """The handler-outbox tables on one database alias."""
+    """The handler-outbox tables on one database alias.
 
-    def __init__(self, using: str) -> None:
+    ``holder``: the member id of the processor that claims through this object
+    (its heartbeat's); a processor silent for three beats has its shards taken.
+    """
+
+    def __init__(self, using: str, *, holder: str | None = None) -> None:
         self.using = using
+        self.holder = holder
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A transaction on the alias whose own failures (begin, commit, rollback)
+        become :class:`OutboxDatabaseError`; what the block raises passes through."""
+        try:
+            with transaction.atomic(using=self.using):
+                yield
+        except (DatabaseError, InterfaceError) as exc:
+            raise OutboxDatabaseError(
+                f"handler database {self.using!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def reset_connection(self) -> None:
+        """Close this thread's connection to the alias (the next call reconnects)."""
+        connections[self.using].close()
 
     def _shards(self) -> QuerySet[HandlerShard]:
         return cast("QuerySet[HandlerShard]", HandlerShard.objects.using(self.using))
@@ -189,6 +235,7 @@ class HandlerStore:
         )
         self.ensure_shards([shard])
 
+    @translated
     def ensure_shards(self, shards: Iterable[str]) -> None:
         """Create the shard rows that do not exist (a concurrent creation is ignored)."""
         wanted = set(shards)
@@ -204,6 +251,7 @@ class HandlerStore:
         if rows:
             self._shards().bulk_create(rows, ignore_conflicts=True)
 
+    @translated
     def discover(self, limit: int = 1000) -> int:
         """Create shard rows for messages that have none; returns how many were missing.
 
@@ -224,6 +272,7 @@ class HandlerStore:
 
     # -- the processing side ---------------------------------------------------
 
+    @translated
     def claim(
         self, token: str, lease_seconds: float, shards: Sequence[str] | None = None
     ) -> Lease | None:
@@ -251,12 +300,17 @@ class HandlerStore:
             won = (
                 self._shards()
                 .filter(_free(), id=pk)
-                .update(lease_token=token, leased_until=_later(lease_seconds))
+                .update(
+                    lease_token=token,
+                    leased_until=_later(lease_seconds),
+                    holder=self.holder,
+                )
             )
         if not won:
             return None
         return Lease(pk, shard, token, attempts, head_id)
 
+    @translated
     def read(self, lease: Lease, limit: int) -> list[Row]:
         """The first ``limit`` messages of the shard, in id order."""
         age = ExpressionWrapper(Now() - F("created_at"), output_field=DurationField())
@@ -274,6 +328,31 @@ class HandlerStore:
             for i, c, o, p, at, a in rows
         ]
 
+    @translated
+    def newest(self, lease: Lease, rows: Sequence[Row]) -> dict[tuple[str, str], int]:
+        """The newest message id of each (category, object id) of ``rows`` in the shard.
+
+        The whole shard counts, not only the rows read: coalescing supersedes a row
+        whose object has a newer message anywhere in its shard.
+        """
+        if not rows:
+            return {}
+        categories = {row.category for row in rows}
+        objects = {row.object_id for row in rows}
+        found = (
+            self._messages()
+            .filter(
+                shard=lease.shard,
+                category__in=sorted(categories),
+                object_id__in=sorted(objects),
+                id__gt=rows[-1].id,
+            )
+            .order_by()
+            .values_list("category", "object_id")
+            .annotate(newest=Max("id"))
+        )
+        return {(c, o): n for c, o, n in found}
+
     def fence(self, lease: Lease, lease_seconds: float, **changes: Any) -> None:
         """Check the lease, extend it and apply ``changes``, inside the current transaction.
 
@@ -290,11 +369,13 @@ class HandlerStore:
                 f"the lease on shard {lease.shard!r} ended; another processor owns it"
             )
 
+    @translated
     def complete(self, lease: Lease, message_id: int, lease_seconds: float) -> None:
         """Delete a message whose receiver succeeded (in the receiver's transaction)."""
         self.fence(lease, lease_seconds, **_HEALTHY)
         self._messages().filter(id=message_id, shard=lease.shard).delete()
 
+    @translated
     def discard(
         self,
         lease: Lease,
@@ -309,21 +390,23 @@ class HandlerStore:
             for category, count in sorted(counts.items()):
                 self._count(category, coalesced=count)
 
+    @translated
     def retry_later(
-        self, lease: Lease, row: Row, decision: FailureDecision, error: str
+        self, lease: Lease, row: Row, attempts: int, delay: float, error: str
     ) -> None:
-        """Back the shard off after its head failed, and give up the lease."""
+        """Back the shard off ``delay`` seconds after its head's ``attempts``-th failure."""
         with transaction.atomic(using=self.using):
             self._shards().filter(id=lease.pk, lease_token=lease.token).update(
-                attempts=decision.attempts,
+                attempts=attempts,
                 head_id=row.id,
                 last_error=error[-ERROR_LIMIT:],
                 failing_since=_failing_since(),
-                next_attempt_at=_later(decision.delay),
+                next_attempt_at=_later(delay),
                 lease_token=None,
                 leased_until=None,
             )
 
+    @translated
     def dead_letter(
         self, lease: Lease, row: Row, attempts: int, error: str, lease_seconds: float
     ) -> None:
@@ -345,6 +428,7 @@ class HandlerStore:
             self._messages().filter(id=row.id, shard=shard).delete()
             self._count(row.category, dead_lettered=1)
 
+    @translated
     def hold(self, lease: Lease, category: str, recheck_seconds: float) -> None:
         """Stop at a head whose category is paused; look again after ``recheck_seconds``."""
         self._shards().filter(id=lease.pk, lease_token=lease.token).update(
@@ -354,6 +438,7 @@ class HandlerStore:
             leased_until=None,
         )
 
+    @translated
     def release(self, lease: Lease) -> None:
         """Give the shard up: delete its row when it holds no message, else make it due."""
         has_messages = Exists(self._messages().filter(shard=OuterRef("shard")))
@@ -366,12 +451,14 @@ class HandlerStore:
             if not deleted:
                 self.requeue(lease)
 
+    @translated
     def requeue(self, lease: Lease) -> None:
         """Give the lease up with the shard due now (it still holds messages)."""
         self._shards().filter(id=lease.pk, lease_token=lease.token).update(
             held_by="", next_attempt_at=Now(), lease_token=None, leased_until=None
         )
 
+    @translated
     def renew(self, lease: Lease, lease_seconds: float) -> bool:
         """Extend the lease; False when it is no longer ours."""
         return bool(
@@ -387,8 +474,71 @@ class HandlerStore:
             **{name: F(name) + value for name, value in increments.items()}
         )
 
+    # -- heartbeats (the engine's Membership) ------------------------------------
+
+    @translated
+    def beat(self, relay_id: str, name: str) -> None:
+        """Record that processor ``relay_id`` is alive now; adds its row if gone."""
+        processors = HandlerProcessor.objects.using(self.using)
+        with transaction.atomic(using=self.using):
+            if not processors.filter(id=relay_id).update(seen_at=Now()):
+                processors.bulk_create(
+                    [HandlerProcessor(id=relay_id, name=name[:255], seen_at=Now())],
+                    ignore_conflicts=True,
+                )
+
+    @translated
+    def take_over(self, stale_seconds: float) -> int:
+        """End the leases of processors silent for ``stale_seconds``; how many shards.
+
+        Their shards become due at once, as if their lease had run out: the token
+        stays, so a late write of the silent processor still finds it only until
+        another processor claims the shard.
+        """
+        processors = HandlerProcessor.objects.using(self.using)
+        with transaction.atomic(using=self.using):
+            stale = list(
+                processors.filter(seen_at__lt=_later(-stale_seconds))
+                .select_for_update(skip_locked=True)
+                .values_list("id", flat=True)
+            )
+            if not stale:
+                return 0
+            ended: int = (
+                self._shards()
+                .filter(holder__in=stale, lease_token__isnull=False)
+                .update(leased_until=_later(-1.0), holder=None)
+            )
+            processors.filter(id__in=stale).delete()
+        return ended
+
+    @translated
+    def leave(self, relay_id: str) -> None:
+        """Remove processor ``relay_id``'s heartbeat (it stops cleanly)."""
+        HandlerProcessor.objects.using(self.using).filter(id=relay_id).delete()
+
+    # -- dead-letter retention --------------------------------------------------
+
+    @translated
+    def purge_dead_letters(self, older_than: float, chunk: int = 1000) -> int:
+        """Delete dead letters that died over ``older_than`` seconds ago; how many."""
+        dead = HandlerDeadLetter.objects.using(self.using)
+        deleted = 0
+        while True:
+            with transaction.atomic(using=self.using):
+                ids = list(
+                    dead.filter(died_at__lt=_later(-older_than))
+                    .order_by("id")
+                    .values_list("id", flat=True)[:chunk]
+                )
+                if ids:
+                    deleted += dead.filter(id__in=ids).delete()[0]
+            if len(ids) < chunk:
+                return deleted
+
     # -- kill switches ----------------------------------------------------------
 
+    @translated
     def pauses(self) -> Pauses:
         """The categories and shards paused on this database."""
         rows = HandlerPause.objects.using(self.using).values_list("kind", "value")
@@ -396,6 +546,7 @@ class HandlerStore:
         shards = {v for k, v in rows if k == HandlerPause.Kind.SHARD}
         return Pauses(frozenset(categories), frozenset(shards))
 
+    @translated
     def pause(self, kind: str, value: str, reason: str = "") -> bool:
         """Pause a ``"category"`` or a ``"shard"``; False when it was already paused."""
         kind = HandlerPause.Kind(kind)
@@ -407,11 +558,13 @@ class HandlerStore:
         )
         return True
 
+    @translated
     def is_paused(self, kind: str, value: str) -> bool:
         """Whether a pause row exists for (kind, value)."""
         pauses = HandlerPause.objects.using(self.using)
         return bool(pauses.filter(kind=kind, value=value).exists())
 
+    @translated
     def resume(self, kind: str, value: str) -> bool:
         """Lift a pause; the shards it stopped are due at once. False when none was set."""
         with transaction.atomic(using=self.using):
@@ -429,6 +582,7 @@ class HandlerStore:
 
     # -- what operators look at ---------------------------------------------------
 
+    @translated
     def stats(self, top: int = 10) -> HandlerStats:
         """Counts, ages and the ``top`` deepest shards."""
         now = timezone.now()
@@ -503,6 +657,7 @@ class HandlerStore:
 
     # -- dead letters ------------------------------------------------------------
 
+    @translated
     def replay(
         self,
         *,
@@ -588,3 +743,48 @@ def _failing_since() -> Any:
 
 def _age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else max(0.0, (now - then).total_seconds())
+
+
+class HandlerMembers:
+    """The engine's ``Membership`` over every database a processor serves.
+
+    A processor beats on each of its databases; a database that fails is logged by
+    the heartbeat and the others still beat.
+    """
+
+    def __init__(self, databases: Sequence[str], holder: str) -> None:
+        self.stores = [HandlerStore(alias, holder=holder) for alias in databases]
+        self.holder: str | None = holder
+
+    def beat(self, relay_id: str, name: str) -> None:
+        """Beat on every database; the first failure is raised once all were tried."""
+        self._each(lambda store: store.beat(relay_id, name))
+
+    def take_over(self, stale_seconds: float) -> int:
+        """Take over silent processors' shards on every database; how many."""
+        taken = [0]
+
+        def one(store: HandlerStore) -> None:
+            taken[0] += store.take_over(stale_seconds)
+
+        self._each(one)
+        return taken[0]
+
+    def leave(self, relay_id: str) -> None:
+        """Remove this processor's heartbeat rows."""
+        self._each(lambda store: store.leave(relay_id))
+
+    def reset_connection(self) -> None:
+        """Close this thread's connections."""
+        for store in self.stores:
+            store.reset_connection()
+
+    def _each(self, call: Callable[[HandlerStore], None]) -> None:
+        failed: OutboxDatabaseError | None = None
+        for store in self.stores:
+            try:
+                call(store)
+            except OutboxDatabaseError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
