@@ -74,7 +74,7 @@ def purge_dead_letters() -> dict[str, Any]:
 
 def _purge_handler_dead_letters(settings: OutboxSettings, retention: float) -> int:
     from .handlers.processor import default_databases
-    from .handlers.store import HandlerStore
+    from .store.handlers.sql import HandlerStore
 
     return sum(
         expire(

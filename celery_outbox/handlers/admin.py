@@ -16,9 +16,9 @@ from django.db import router
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
+from ..store.handlers.sql import HandlerStore
 from .models import HandlerDeadLetter, HandlerMessage, HandlerPause, HandlerShard
 from .registry import registry
-from .store import HandlerStore
 
 #: The most dead letters one admin action replays (each is loaded and logged).
 REPLAY_LIMIT = 10_000

@@ -121,7 +121,7 @@ def _run(processor: Any, write: Callable[[str], None]) -> None:
 def _stats(
     databases: tuple[str, ...], fmt: str, top: int, write: Callable[[str], None]
 ) -> None:
-    from .store import HandlerStore
+    from ..store.handlers.sql import HandlerStore
 
     reports = [HandlerStore(alias).stats(top) for alias in databases]
     if fmt == "json":
@@ -157,8 +157,8 @@ def _stats(
 def _replay(
     databases: tuple[str, ...], options: dict[str, Any], write: Callable[[str], None]
 ) -> None:
+    from ..store.handlers.sql import HandlerStore
     from .registry import registry
-    from .store import HandlerStore
 
     ids, category, shard = options["id"], options["category"], options["shard"]
     if not (ids or category or shard or options["all"]):
@@ -188,7 +188,7 @@ def _switch(
     options: dict[str, Any],
     write: Callable[[str], None],
 ) -> None:
-    from .store import HandlerStore
+    from ..store.handlers.sql import HandlerStore
 
     kind = "category" if options["category"] is not None else "shard"
     value = options[kind]

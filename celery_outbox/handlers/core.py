@@ -10,27 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from ..engine.backoff import backoff
 from ..outcomes import Action, Decision
+from ..store.handlers.types import KEY_LENGTH, Row
 
-#: Widest shard key, category and object id (characters; fits a utf8mb4 unique index).
-KEY_LENGTH = 255
-
-
-@dataclass(frozen=True)
-class Row:
-    """One stored message as the processor reads it."""
-
-    id: int
-    category: str
-    object_id: str
-    payload: str
-    created_at: datetime
-    #: Seconds since the message was written, by the database's clock at the read.
-    age_seconds: float | None = None
+__all__ = ["KEY_LENGTH", "Plan", "Row", "after_failure", "coalesce", "shard_key"]
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable, Sequence
 from ..conf import OutboxSettings
 from ..metrics import Sink
 from ..outcomes import Action
+from ..store.handlers import HandlerStats
+from ..store.handlers.sql import HandlerStore
 from .observations import (
     HandlerObservation,
     HandlerObserver,
@@ -42,7 +44,6 @@ from .observations import (
     MessagesCoalesced,
     PassDone,
 )
-from .store import HandlerStats, HandlerStore
 
 logger = logging.getLogger("celery_outbox.handlers")
 

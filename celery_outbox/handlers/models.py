@@ -1,6 +1,6 @@
 """Tables of the handler outboxes.
 
-Only :mod:`celery_outbox.handlers.store` reads or writes them (the admin lists them).
+Only :mod:`celery_outbox.store.handlers` reads or writes them (the admin lists them).
 Times are written by the database clock, so processors on hosts whose clocks drift
 still agree on leases and backoff.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from .core import KEY_LENGTH
+from ..store.handlers.types import KEY_LENGTH
 
 
 class HandlerMessage(models.Model):

@@ -31,6 +31,8 @@ from ..engine.loop import Loop, Pacing, Turn
 from ..engine.observations import LoopError, StopReason, notify
 from ..exceptions import OutboxDatabaseError
 from ..outcomes import Action
+from ..store.handlers import HandlerLeases, Lease, LeaseLost, Pauses
+from ..store.handlers.sql import HandlerMembers, HandlerStore
 from .core import Plan, Row, after_failure, coalesce
 from .models import HandlerMessage
 from .observations import (
@@ -40,7 +42,6 @@ from .observations import (
     PassDone,
 )
 from .registry import Category, Registry, registry
-from .store import HandlerMembers, HandlerStore, Lease, LeaseLost, Pauses
 
 logger = logging.getLogger("celery_outbox.handlers")
 
@@ -109,8 +110,12 @@ class Processor:
         monotonic: Callable[[], float] = time.monotonic,
         listeners: Sequence[HandlerObserver] = (),
         random_source: Callable[[], float] = random.random,
+        stores: Callable[..., HandlerLeases] = HandlerStore,
     ) -> None:
         self.config = config
+        #: ``stores(alias, holder=member id)``: the store of one database (SQL by
+        #: default; :class:`~celery_outbox.store.handlers.MemoryHandlerStore` in tests).
+        self.stores = stores
         self.categories = categories
         self.listeners: list[HandlerObserver] = list(listeners)
         self.random = random_source
@@ -120,6 +125,9 @@ class Processor:
         self._interrupted: dict[str, list[Lease]] = {}
         #: This processor's heartbeat id, written on the shards it claims.
         self.member_id = new_member_id()
+        self._by_alias = {
+            alias: stores(alias, holder=self.member_id) for alias in config.databases
+        }
         self.loop = Loop(
             self,
             Pacing(
@@ -134,7 +142,7 @@ class Processor:
         )
         if config.heartbeat_interval is not None:
             self.loop.heartbeat = Heartbeat(
-                HandlerMembers(config.databases, self.member_id),
+                HandlerMembers(list(self._by_alias.values()), self.member_id),
                 config.heartbeat_interval,
                 # Shards taken over from a dead processor are due now.
                 on_takeover=self.loop.waiter.wake,
@@ -183,7 +191,7 @@ class Processor:
         claimed = 0
         failed = False
         for alias in self.config.databases:
-            store = HandlerStore(alias, holder=self.member_id)
+            store = self._by_alias[alias]
             try:
                 claimed += self._pass(store)
             except OutboxDatabaseError as exc:
@@ -196,7 +204,7 @@ class Processor:
 
     def flush(self, alias: str, shards: Iterable[str]) -> None:
         """Process ``shards`` now, unless another processor holds them (on commit)."""
-        store = HandlerStore(alias)
+        store = self.stores(alias, holder=None)
         keys = sorted(set(shards))
         store.ensure_shards(keys)
         while keys:
@@ -206,7 +214,7 @@ class Processor:
             keys.remove(lease.shard)
             self.process(store, lease)
 
-    def _pass(self, store: HandlerStore) -> int:
+    def _pass(self, store: HandlerLeases) -> int:
         self._give_back(store)
         self._discover(store)
         claimed = 0
@@ -218,7 +226,7 @@ class Processor:
             self.process(store, lease)
         return claimed
 
-    def _give_back(self, store: HandlerStore) -> None:
+    def _give_back(self, store: HandlerLeases) -> None:
         """Make the shards a database error interrupted due again, no attempt charged.
 
         Their leases are still in the database; left there, the shards would wait
@@ -229,7 +237,7 @@ class Processor:
             store.requeue(leases[-1])
             leases.pop()
 
-    def _discover(self, store: HandlerStore) -> None:
+    def _discover(self, store: HandlerLeases) -> None:
         now = self._monotonic()
         last = self._discovered_at.get(store.using)
         if self.config.until_empty or last is None:
@@ -242,7 +250,7 @@ class Processor:
             if found:
                 logger.info("%d shard(s) without a shard row recovered", found)
 
-    def process(self, store: HandlerStore, lease: Lease) -> None:
+    def process(self, store: HandlerLeases, lease: Lease) -> None:
         """Run the shard's messages in order while the lease holds, then give it up."""
         seconds = self.config.lease_seconds
         keeper = LeaseKeeper(
@@ -265,7 +273,7 @@ class Processor:
                 self._interrupted.setdefault(store.using, []).append(lease)
                 raise
 
-    def _drain(self, store: HandlerStore, lease: Lease) -> None:
+    def _drain(self, store: HandlerLeases, lease: Lease) -> None:
         for _ in range(self.config.windows_per_claim):
             pauses = store.pauses()
             if lease.shard in pauses.shards or self.stopping:
@@ -292,7 +300,7 @@ class Processor:
         store.requeue(lease)
 
     def _newest(
-        self, store: HandlerStore, lease: Lease, rows: Sequence[Row]
+        self, store: HandlerLeases, lease: Lease, rows: Sequence[Row]
     ) -> dict[tuple[str, str], int]:
         """Newer ids of the window's coalescing objects further on in the shard."""
         if len(rows) < self.config.window:
@@ -302,7 +310,7 @@ class Processor:
 
     def _run_window(
         self,
-        store: HandlerStore,
+        store: HandlerLeases,
         lease: Lease,
         plan: Plan,
         pauses: Pauses,
@@ -318,7 +326,7 @@ class Processor:
         return True
 
     def run_one(
-        self, store: HandlerStore, lease: Lease, row: Row, read_at: float | None = None
+        self, store: HandlerLeases, lease: Lease, row: Row, read_at: float | None = None
     ) -> Action:
         """Run one message's receiver, settle it, and report it to the observers.
 
@@ -345,7 +353,7 @@ class Processor:
         return action
 
     def _run_and_settle(
-        self, store: HandlerStore, lease: Lease, row: Row, attempt: int
+        self, store: HandlerLeases, lease: Lease, row: Row, attempt: int
     ) -> Action:
         category = self.categories.get(row.category)
         try:
@@ -360,7 +368,7 @@ class Processor:
 
     def _call(
         self,
-        store: HandlerStore,
+        store: HandlerLeases,
         lease: Lease,
         row: Row,
         category: Category | None,
@@ -399,7 +407,7 @@ class Processor:
 
     def _failed(
         self,
-        store: HandlerStore,
+        store: HandlerLeases,
         lease: Lease,
         row: Row,
         category: Category | None,

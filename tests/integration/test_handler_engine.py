@@ -24,7 +24,7 @@ from celery_outbox.handlers.models import (
 )
 from celery_outbox.handlers.processor import Processor, ProcessorConfig
 from celery_outbox.handlers.registry import Category, Registry
-from celery_outbox.handlers.store import HandlerStore
+from celery_outbox.store.handlers.sql import HandlerStore
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 

@@ -10,8 +10,8 @@ from celery_outbox.handlers.observations import (
     MessagesCoalesced,
     PassDone,
 )
-from celery_outbox.handlers.store import HandlerStats
 from celery_outbox.outcomes import Action
+from celery_outbox.store.handlers import HandlerStats
 
 from .fakes import FakeClock
 
