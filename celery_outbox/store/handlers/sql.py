@@ -37,7 +37,7 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from ...exceptions import OutboxDatabaseError
-from ...handlers.models import (
+from .models import (
     HandlerCounter,
     HandlerDeadLetter,
     HandlerMessage,
