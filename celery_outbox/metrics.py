@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from .conf import OutboxSettings, split_address
 from .exceptions import OutboxConfigurationError
 from .outcomes import Outcome
-from .relay.events import BatchSettled, BreakerOpened, Coalesced, RelayEvent
+from .relay.observations import BatchSettled, BreakerOpened, Coalesced, RelayObservation
 from .store import OperatorStore, Stats
 
 logger = logging.getLogger("celery_outbox.metrics")
@@ -256,7 +256,7 @@ class RelayMetrics:
         self.clock = clock
         self._sampled_at: float | None = None
 
-    def __call__(self, event: RelayEvent) -> None:
+    def __call__(self, event: RelayObservation) -> None:
         """Record one relay event."""
         if isinstance(event, BreakerOpened):
             self.sink.gauge("breaker_open", 1)

@@ -24,7 +24,7 @@ from django.db import connections, transaction
 from django.dispatch import Signal
 
 from .envelope import Envelope, StoredMessage
-from .relay.events import BatchSettled, Coalesced, RelayEvent
+from .relay.observations import BatchSettled, Coalesced, RelayObservation
 
 logger = logging.getLogger("celery_outbox.signals")
 
@@ -96,7 +96,7 @@ def send_created(envelopes: Sequence[Envelope], using: str) -> None:
             transaction.savepoint_rollback(savepoint, using=using)
 
 
-def send_relay_signals(event: RelayEvent) -> None:
+def send_relay_signals(event: RelayObservation) -> None:
     """Relay listener: one Django signal per settled message, after the settlement committed."""
     if isinstance(event, Coalesced):
         for row in event.rows:

@@ -23,8 +23,10 @@ import logging
 from typing import Any
 
 from celery import shared_task
+from django.apps import apps
 
-from .conf import get_settings
+from .conf import OutboxSettings, get_settings
+from .engine.deadletters import expire
 from .store import outbox_stores
 
 logger = logging.getLogger("celery_outbox")
@@ -35,7 +37,9 @@ def purge_dead_letters() -> dict[str, Any]:
     """Delete dead letters older than ``CELERY_OUTBOX_DEAD_LETTER_RETENTION``.
 
     Keeps dead letters when the setting is unset. Returns ``{"deleted": n,
-    "retention_seconds": s}`` (``s`` is None when unset). History events older than
+    "retention_seconds": s}`` (``s`` is None when unset); with the handler outboxes
+    installed, their dead letters expire by the same setting, counted in
+    ``"handler_deleted"``. History events older than
     ``CELERY_OUTBOX_HISTORY_RETENTION`` are deleted too, in chunks, whether history
     is on or not (events left from when it was on still expire); with history on,
     or when any was deleted, the result also has ``"history_deleted": n``.
@@ -49,12 +53,13 @@ def purge_dead_letters() -> dict[str, Any]:
             "CELERY_OUTBOX_DEAD_LETTER_RETENTION is not set: dead letters are kept"
         )
     else:
-        report = stores.operator().purge_dead_letters(retention)
-        if report.deleted:
-            logger.info(
-                "purged %d dead letters older than %.0f s", report.deleted, retention
-            )
-        result = {"deleted": report.deleted, "retention_seconds": retention}
+        operator = stores.operator()
+        deleted = expire(
+            lambda seconds: operator.purge_dead_letters(seconds).deleted, retention
+        )
+        result = {"deleted": deleted, "retention_seconds": retention}
+        if apps.is_installed("celery_outbox.handlers"):
+            result["handler_deleted"] = _purge_handler_dead_letters(settings, retention)
     events = stores.history_log().purge_history(settings.history_retention)
     if events:
         logger.info(
@@ -65,6 +70,18 @@ def purge_dead_letters() -> dict[str, Any]:
     if events or settings.history:
         result["history_deleted"] = events
     return result
+
+
+def _purge_handler_dead_letters(settings: OutboxSettings, retention: float) -> int:
+    from .handlers.processor import default_databases
+    from .store.handlers.sql import HandlerStore
+
+    return sum(
+        expire(
+            HandlerStore(alias).purge_dead_letters, retention, "handler dead letters"
+        )
+        for alias in default_databases(settings)
+    )
 
 
 @shared_task(name="celery_outbox.purge_dedup_keys", ignore_result=True)

@@ -25,13 +25,13 @@ from kombu.serialization import dumps, loads
 
 from .broker import Budget, InMemoryPublisher, Publisher, build_publisher
 from .conf import get_settings
+from .engine.waiter import Waiter
 from .envelope import Envelope, StoredMessage, load_json
 from .exceptions import OutboxError
 from .outcomes import Outcome, PublishResult
 from .relay.config import RelayConfig
-from .relay.events import LoopError, RelayEvent
 from .relay.loop import Cycle, Relay
-from .relay.waiter import Waiter
+from .relay.observations import LoopError, RelayObservation
 from .signals import send_relay_signals
 from .store import Stores, outbox_alias
 from .store.store import read_declarations
@@ -456,7 +456,7 @@ class OutboxFixture:
         recording = _RecordingPublisher(publisher)
         errors: list[LoopError] = []
 
-        def listen(event: RelayEvent) -> None:
+        def listen(event: RelayObservation) -> None:
             if isinstance(event, LoopError):
                 errors.append(event)
 

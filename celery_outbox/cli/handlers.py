@@ -74,6 +74,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, hidden: bool = False) 
         help=shown("Longest wait between two looks for due shards."),
     )
     parser.add_argument(
+        "--liveness-file",
+        default=None,
+        metavar="PATH",
+        help=shown("Touch this file while the processor runs (a liveness probe)."),
+    )
+    parser.add_argument(
         "--metrics-port",
         type=positive(int),
         default=None,
@@ -117,6 +123,7 @@ def run_processor(options: dict[str, Any], streams: Streams) -> None:
         lease_seconds=options["lease_seconds"],
         poll_interval=options["poll_interval"],
         until_empty=options["until_empty"],
+        liveness_file=options["liveness_file"],
         metrics_port=options["metrics_port"],
         write=streams.line,
     )

@@ -20,7 +20,7 @@ from opentelemetry import propagate, trace
 
 from ..envelope import StoredMessage
 from ..outcomes import Outcome
-from ..relay.events import BatchSettled, RelayEvent
+from ..relay.observations import BatchSettled, RelayObservation
 
 INSTRUMENTATION_NAME = "celery_outbox"
 SPAN_NAME = "celery_outbox publish"
@@ -102,7 +102,7 @@ class OtelRelayTracing:
         ):
             yield
 
-    def __call__(self, event: RelayEvent) -> None:
+    def __call__(self, event: RelayObservation) -> None:
         """Record the batch's outcome on its span (events are emitted inside it)."""
         if not isinstance(event, BatchSettled):
             return

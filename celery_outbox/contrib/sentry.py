@@ -18,7 +18,12 @@ import sentry_sdk
 
 from ..envelope import StoredMessage
 from ..outcomes import Outcome
-from ..relay.events import BatchSettled, BreakerOpened, LoopError, RelayEvent
+from ..relay.observations import (
+    BatchSettled,
+    BreakerOpened,
+    LoopError,
+    RelayObservation,
+)
 
 OP = "queue.publish"
 TRANSACTION_NAME = "celery_outbox relay batch"
@@ -48,7 +53,7 @@ class SentryRelayTracing:
             transaction.set_data("messaging.batch.message_count", len(messages))
             yield
 
-    def __call__(self, event: RelayEvent) -> None:
+    def __call__(self, event: RelayObservation) -> None:
         """Outcome tags on the batch transaction; loop errors as events."""
         if isinstance(event, LoopError):
             with sentry_sdk.new_scope() as scope:

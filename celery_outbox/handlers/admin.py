@@ -1,7 +1,7 @@
 """Django admin for the handler outboxes: read-only lists, pauses as kill switches.
 
 A pause added here stops its category or shard within one processor pass; deleting
-it resumes, through :class:`~celery_outbox.handlers.store.HandlerStore` so the shards
+it resumes, through :class:`~celery_outbox.store.handlers.sql.HandlerStore` so the shards
 it stopped are due at once. Dead letters can be replayed (written back at the end of
 their shards, as ``manage.py outbox handlers replay`` does). Lists show the router's
 database for these tables.
@@ -16,9 +16,9 @@ from django.db import router
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
+from ..store.handlers.sql import HandlerStore
 from .models import HandlerDeadLetter, HandlerMessage, HandlerPause, HandlerShard
 from .registry import registry
-from .store import HandlerStore
 
 #: The most dead letters one admin action replays (each is loaded and logged).
 REPLAY_LIMIT = 10_000

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -25,6 +24,7 @@ def run_processor(
     lease_seconds: float | None,
     poll_interval: float | None,
     until_empty: bool,
+    liveness_file: str | None,
     metrics_port: int | None,
     write: Callable[[str], None],
 ) -> None:
@@ -38,6 +38,7 @@ def run_processor(
         lease_seconds=lease_seconds,
         poll_interval=poll_interval,
         until_empty=until_empty or None,
+        liveness_file=liveness_file,
     )
     listeners = processor_listeners(get_settings(), config.databases, metrics_port)
     try:
@@ -48,17 +49,10 @@ def run_processor(
 
 
 def _run(processor: Any, write: Callable[[str], None]) -> None:
-    def on_signal(signum: int, _frame: Any) -> None:
-        processor.stop()
+    from ..engine.loop import stop_on_signals
 
-    previous = {
-        sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-    }
-    try:
+    with stop_on_signals(processor.stop):
         reason = processor.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     write(f"handler processor stopped: {reason.value}")
 
 
@@ -66,7 +60,7 @@ def stats(
     databases: tuple[str, ...], fmt: str, top: int, write: Callable[[str], None]
 ) -> None:
     """Print the backlog of the handler outboxes on ``databases``."""
-    from .store import HandlerStore
+    from ..store.handlers.sql import HandlerStore
 
     reports = [HandlerStore(alias).stats(top) for alias in databases]
     if fmt == "json":
@@ -108,8 +102,8 @@ def replay(
     write: Callable[[str], None],
 ) -> None:
     """Write the selected dead letters back at the end of their shards."""
+    from ..store.handlers.sql import HandlerStore
     from .registry import registry
-    from .store import HandlerStore
 
     for alias in databases:
         report = HandlerStore(alias).replay(
@@ -138,7 +132,7 @@ def switch(
     write: Callable[[str], None],
 ) -> None:
     """``pause`` or ``resume`` a category or a shard (``kind``) on every database."""
-    from .store import HandlerStore
+    from ..store.handlers.sql import HandlerStore
 
     for alias in databases:
         store = HandlerStore(alias)

@@ -1,33 +1,22 @@
 """The pure decisions of the handler processor: values in, values out, no I/O.
 
 * :func:`coalesce`: which rows of a shard run, and which a newer row supersedes;
-* :func:`backoff`: how long a failing head waits before its next run;
-* :func:`after_failure`: retry the head later, or move it to the dead letters.
+* :func:`after_failure`: retry the head later (the engine's
+  :func:`~celery_outbox.engine.backoff.backoff`), or move it to the dead letters,
+  in the one decision vocabulary (:class:`celery_outbox.outcomes.Decision`).
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
-#: Widest shard key, category and object id (characters; fits a utf8mb4 unique index).
-KEY_LENGTH = 255
+from ..engine.backoff import backoff
+from ..outcomes import Action, Decision
+from ..store.handlers.types import KEY_LENGTH, Row
 
-
-@dataclass(frozen=True)
-class Row:
-    """One stored message as the processor reads it."""
-
-    id: int
-    category: str
-    object_id: str
-    payload: str
-    created_at: datetime
-    #: Seconds since the message was written, by the database's clock at the read.
-    age_seconds: float | None = None
+__all__ = ["KEY_LENGTH", "Plan", "Row", "after_failure", "coalesce", "shard_key"]
 
 
 @dataclass(frozen=True)
@@ -42,17 +31,24 @@ class Plan:
     coalesced: dict[str, int]
 
 
-def coalesce(rows: Sequence[Row], coalesces: Callable[[str], bool]) -> Plan:
+def coalesce(
+    rows: Sequence[Row],
+    coalesces: Callable[[str], bool],
+    newest_in_shard: Mapping[tuple[str, str], int] | None = None,
+) -> Plan:
     """Keep the newest row of each (category, object id) whose category coalesces.
 
     Kept rows keep their place: a row runs where its newest version was written, so
     the order of the last writes across categories is preserved. ``rows`` must be in
-    id order; a category that opts out runs every row.
+    id order; a category that opts out runs every row. ``newest_in_shard``: the
+    newest id of each key in the whole shard, beyond the rows read, so that a row
+    whose newer version waits further on is superseded too.
     """
     newest: dict[tuple[str, str], int] = {}
     for row in rows:
         if coalesces(row.category):
-            newest[(row.category, row.object_id)] = row.id
+            key = (row.category, row.object_id)
+            newest[key] = max(row.id, (newest_in_shard or {}).get(key, row.id))
     run: list[Row] = []
     superseded: list[int] = []
     counts: dict[str, int] = {}
@@ -66,42 +62,22 @@ def coalesce(rows: Sequence[Row], coalesces: Callable[[str], bool]) -> Plan:
     return Plan(tuple(run), tuple(superseded), counts)
 
 
-def backoff(attempts: int, base: float, cap: float) -> float:
-    """Seconds the head waits after its ``attempts``-th failure: base, doubling, capped."""
-    if attempts < 1:
-        return 0.0
-    # 2**attempts overflows a float after ~1000 failures: stop doubling at the cap.
-    delay = base
-    for _ in range(attempts - 1):
-        delay *= 2
-        if delay >= cap:
-            return cap
-    return min(delay, cap)
-
-
-class Verdict(str, enum.Enum):
-    """What happens to a head whose receiver raised."""
-
-    RETRY = "retry"
-    DEAD_LETTER = "dead_letter"
-
-
-@dataclass(frozen=True)
-class FailureDecision:
-    """The verdict, the head's failure count, and the wait before the next run."""
-
-    verdict: Verdict
-    attempts: int
-    delay: float
-
-
 def after_failure(
-    attempts: int, max_attempts: int | None, base: float, cap: float
-) -> FailureDecision:
-    """The decision after the head's ``attempts``-th failure (``max_attempts`` None: forever)."""
+    message_id: int,
+    attempts: int,
+    max_attempts: int | None,
+    base: float,
+    cap: float,
+    random: Callable[[], float],
+) -> Decision:
+    """The decision after the head's ``attempts``-th failure (``max_attempts`` None: forever).
+
+    ``Action.DEAD_LETTER`` once ``max_attempts`` is reached, else ``Action.RETRY``
+    after the engine's backoff (capped exponential, jittered by ``random``).
+    """
     if max_attempts is not None and attempts >= max_attempts:
-        return FailureDecision(Verdict.DEAD_LETTER, attempts, 0.0)
-    return FailureDecision(Verdict.RETRY, attempts, backoff(attempts, base, cap))
+        return Decision(message_id, Action.DEAD_LETTER)
+    return Decision(message_id, Action.RETRY, backoff(attempts, base, cap, random))
 
 
 def shard_key(shard: str | Iterable[Any]) -> str:

@@ -99,7 +99,7 @@ def emit(
         ) from None
     alias = using or _default_alias()
     _guard.check(alias, category, get_settings().outside_transaction)
-    from .store import HandlerStore
+    from ..store.handlers.sql import HandlerStore
 
     HandlerStore(alias).write(category, key, identifier, text)
     scope = _scope.get()

@@ -1,69 +1,58 @@
-"""What the handler processor reports. Metrics (:mod:`.metrics`) subscribe to these.
+"""Deprecated: the processor's observations live in :mod:`.observations`.
 
-The processor calls each listener with every event; a listener that raises is logged
-and skipped, never stops the processor.
+"Event" is the word of :mod:`celery_outbox.events` (the published fan-out), and
+``emit`` is the handler outbox's public call; the processor's reports to its
+observers are observations, handed out by
+:func:`celery_outbox.engine.observations.notify`. Kept for one release.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Sequence
 
-logger = logging.getLogger("celery_outbox.handlers")
+from ..engine.observations import notify
+from .observations import (
+    HandlerObservation,
+    HandlerObserver,
+    MessageHandled,
+    MessagesCoalesced,
+    PassDone,
+)
+
+warnings.warn(
+    "celery_outbox.handlers.events is deprecated and goes in the next release: "
+    "import from celery_outbox.handlers.observations (HandlerEvent is "
+    "HandlerObservation, HandlerListener is HandlerObserver; MessageHandled.action "
+    "is a celery_outbox.outcomes.Action: DELETE for done).",
+    DeprecationWarning,
+    stacklevel=2,
+)
+
+HandlerEvent = HandlerObservation
+HandlerListener = HandlerObserver
 
 
 class Outcome(str, enum.Enum):
-    """What became of one message after its receiver ran."""
+    """Deprecated: :class:`celery_outbox.outcomes.Action` (DELETE, RETRY, DEAD_LETTER)."""
 
     DONE = "done"
     RETRY = "retry"
     DEAD_LETTER = "dead_letter"
 
 
-@dataclass(frozen=True)
-class MessageHandled:
-    """A receiver ran for one message and its outcome is committed."""
-
-    database: str
-    shard: str
-    category: str
-    outcome: Outcome
-    #: 1 on the message's first run.
-    attempt: int
-    #: The receiver's run and the settlement.
-    seconds: float
-    #: From the message's write to its settlement (database clock at the read, then
-    #: the processor's monotonic clock); None when the read did not measure it.
-    age_seconds: float | None
+def emit(listeners: Sequence[HandlerObserver], event: HandlerObservation) -> None:
+    """Deprecated: :func:`celery_outbox.engine.observations.notify`."""
+    notify(listeners, event)
 
 
-@dataclass(frozen=True)
-class MessagesCoalesced:
-    """Messages deleted unrun because a newer one of their object waits in the shard."""
-
-    database: str
-    shard: str
-    #: Per category, how many.
-    counts: Mapping[str, int]
-
-
-@dataclass(frozen=True)
-class PassDone:
-    """One pass over every database ended; ``claimed`` shards were processed."""
-
-    claimed: int
-
-
-HandlerEvent = MessageHandled | MessagesCoalesced | PassDone
-HandlerListener = Callable[[HandlerEvent], None]
-
-
-def emit(listeners: Sequence[HandlerListener], event: HandlerEvent) -> None:
-    """Give ``event`` to every listener; one that raises is logged and skipped."""
-    for listener in listeners:
-        try:
-            listener(event)
-        except Exception:
-            logger.exception("handler event listener %r failed", listener)
+__all__ = [
+    "HandlerEvent",
+    "HandlerListener",
+    "MessageHandled",
+    "MessagesCoalesced",
+    "Outcome",
+    "PassDone",
+    "emit",
+]

@@ -34,26 +34,28 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..conf import OutboxSettings
 from ..metrics import Sink
-from .events import (
-    HandlerEvent,
-    HandlerListener,
+from ..outcomes import Action
+from ..store.handlers import HandlerStats
+from ..store.handlers.sql import HandlerStore
+from .observations import (
+    HandlerObservation,
+    HandlerObserver,
     MessageHandled,
     MessagesCoalesced,
-    Outcome,
+    PassDone,
 )
-from .store import HandlerStats, HandlerStore
 
 logger = logging.getLogger("celery_outbox.handlers")
 
 _COUNTERS = {
-    Outcome.DONE: "handler_processed_total",
-    Outcome.RETRY: "handler_retried_total",
-    Outcome.DEAD_LETTER: "handler_dead_lettered_total",
+    Action.DELETE: "handler_processed_total",
+    Action.RETRY: "handler_retried_total",
+    Action.DEAD_LETTER: "handler_dead_lettered_total",
 }
 
 
 class HandlerMetrics:
-    """A processor listener that turns its events into metrics and samples the backlog."""
+    """A processor observer that turns its observations into metrics and samples the backlog."""
 
     def __init__(
         self,
@@ -71,16 +73,16 @@ class HandlerMetrics:
         self._stats = stats or (lambda alias: HandlerStore(alias).stats(top=1))
         self._sampled_at: float | None = None
 
-    def __call__(self, event: HandlerEvent) -> None:
-        """Record one processor event."""
+    def __call__(self, event: HandlerObservation) -> None:
+        """Record one processor observation (the others are ignored)."""
         if isinstance(event, MessageHandled):
-            self.sink.count(_COUNTERS[event.outcome], 1)
+            self.sink.count(_COUNTERS[event.action], 1)
             self.sink.observe("handler_run_seconds", event.seconds)
-            if event.outcome is Outcome.DONE and event.age_seconds is not None:
+            if event.action is Action.DELETE and event.age_seconds is not None:
                 self.sink.observe("handler_commit_to_done_seconds", event.age_seconds)
         elif isinstance(event, MessagesCoalesced):
             self.sink.count("handler_coalesced_total", sum(event.counts.values()))
-        else:
+        elif isinstance(event, PassDone):
             self._maybe_sample()
 
     def close(self) -> None:
@@ -132,7 +134,7 @@ def processor_listeners(
     ]
 
 
-def flush_listeners(settings: OutboxSettings) -> list[HandlerListener]:
+def flush_listeners(settings: OutboxSettings) -> list[HandlerObserver]:
     """Counters for flushes in a writing process: StatsD only, one sink per process."""
     if not settings.statsd_address:
         return []
@@ -140,7 +142,7 @@ def flush_listeners(settings: OutboxSettings) -> list[HandlerListener]:
 
 
 @functools.lru_cache(maxsize=4)
-def _statsd_counters(address: str) -> HandlerListener:
+def _statsd_counters(address: str) -> HandlerObserver:
     from ..metrics import StatsdSink
 
     # No databases: a flush never samples the backlog (the processor does).

@@ -1,38 +1,47 @@
-"""The handler processor: claim a shard, run its receivers in order, settle, repeat.
+"""The handler processor: a lane of the engine that runs receivers, shard by shard.
 
-No database transaction is open while a receiver runs unless its category asks for
-one (``atomic=True``, the default), and then only on the outbox's database. A thread
-renews the shard's lease while receivers run, so a receiver may take minutes.
+Each turn claims due shards, runs their receivers in order, settles and repeats;
+the loop around it is the engine's (:mod:`celery_outbox.engine.loop`): stop on
+SIGTERM, the liveness file, a heartbeat that takes over a dead processor's shards
+within seconds. No database transaction is open while a receiver runs unless its
+category asks for one (``atomic=True``, the default), and then only on the
+outbox's database. The engine's lease keeper renews the shard's lease while
+receivers run, so a receiver may take minutes.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
-import threading
+import math
+import random
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from types import TracebackType
+from typing import Any
 
-from django.db import DatabaseError, InterfaceError, connections, router, transaction
+from django.db import connections, router
 
 from ..conf import OutboxSettings, get_settings
-from .core import Plan, Row, Verdict, after_failure, coalesce
-from .events import (
-    HandlerListener,
+from ..engine.heartbeat import Heartbeat, new_member_id
+from ..engine.lease import LeaseKeeper
+from ..engine.loop import Loop, Pacing, Turn
+from ..engine.observations import LoopError, StopReason, notify
+from ..exceptions import OutboxDatabaseError
+from ..outcomes import Action
+from ..store.handlers import HandlerLeases, Lease, LeaseLost, Pauses
+from ..store.handlers.sql import HandlerMembers, HandlerStore
+from .core import Plan, Row, after_failure, coalesce
+from .models import HandlerMessage
+from .observations import (
+    HandlerObserver,
     MessageHandled,
     MessagesCoalesced,
-    Outcome,
     PassDone,
-    emit,
 )
-from .models import HandlerMessage
 from .registry import Category, Registry, registry
-from .store import HandlerStore, Lease, LeaseLost, Pauses
 
 logger = logging.getLogger("celery_outbox.handlers")
 
@@ -46,7 +55,7 @@ class ProcessorConfig:
     retry_base_seconds: float = 1.0
     retry_max_seconds: float = 3600.0
     poll_interval: float = 1.0
-    #: Messages read from a shard at once (the window coalescing looks at).
+    #: Messages read from a shard at once. Coalescing looks at the whole shard.
     window: int = 100
     #: Windows run per claim before the shard goes back to the queue (fairness).
     windows_per_claim: int = 10
@@ -55,6 +64,12 @@ class ProcessorConfig:
     #: A shard stopped by a paused category is looked at again after this long.
     pause_recheck_seconds: float = 30.0
     until_empty: bool = False
+    #: Touched at least every ``liveness_interval`` seconds while the processor runs.
+    liveness_file: str | None = None
+    liveness_interval: float = 5.0
+    #: How often :meth:`Processor.run` beats; a processor silent for three beats has
+    #: its shards taken by the others. None: no heartbeat (leases then just expire).
+    heartbeat_interval: float | None = 1.5
 
 
 def default_databases(settings: OutboxSettings) -> tuple[str, ...]:
@@ -84,55 +99,8 @@ def config_from_settings(
     return replace(config, **given)  # type: ignore[arg-type]
 
 
-class StopReason(str, enum.Enum):
-    """Why :meth:`Processor.run` returned."""
-
-    STOPPED = "stopped"
-    EMPTY = "empty"
-
-
-class Renewer:
-    """A thread that extends a lease every third of its length while receivers run."""
-
-    def __init__(self, store: HandlerStore, lease: Lease, lease_seconds: float) -> None:
-        self._store = store
-        self._lease = lease
-        self._seconds = lease_seconds
-        self._done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"handler-lease-{lease.shard}", daemon=True
-        )
-        #: Set when a renewal found the lease gone.
-        self.lost = False
-
-    def __enter__(self) -> Renewer:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._done.set()
-        self._thread.join(timeout=self._seconds)
-
-    def _run(self) -> None:
-        try:
-            while not self._done.wait(self._seconds / 3):
-                if not self._store.renew(self._lease, self._seconds):
-                    self.lost = True
-                    logger.warning("lease on shard %r lost", self._lease.shard)
-                    return
-        except Exception:
-            logger.exception("renewing the lease on %r failed", self._lease.shard)
-        finally:
-            connections[self._store.using].close()
-
-
 class Processor:
-    """Runs the receivers of due shards on the configured databases."""
+    """Runs the receivers of due shards on the configured databases: a lane."""
 
     def __init__(
         self,
@@ -140,46 +108,103 @@ class Processor:
         categories: Registry = registry,
         *,
         monotonic: Callable[[], float] = time.monotonic,
-        listeners: Sequence[HandlerListener] = (),
+        listeners: Sequence[HandlerObserver] = (),
+        random_source: Callable[[], float] = random.random,
+        stores: Callable[..., HandlerLeases] = HandlerStore,
     ) -> None:
         self.config = config
+        #: ``stores(alias, holder=member id)``: the store of one database (SQL by
+        #: default; :class:`~celery_outbox.store.handlers.MemoryHandlerStore` in tests).
+        self.stores = stores
         self.categories = categories
-        self.listeners = tuple(listeners)
+        self.listeners: list[HandlerObserver] = list(listeners)
+        self.random = random_source
         self._monotonic = monotonic
-        self._stop = threading.Event()
         self._discovered_at: dict[str, float] = {}
         #: Leases a database error left held, per alias: given back at the next pass.
         self._interrupted: dict[str, list[Lease]] = {}
+        #: This processor's heartbeat id, written on the shards it claims.
+        self.member_id = new_member_id()
+        self._by_alias = {
+            alias: stores(alias, holder=self.member_id) for alias in config.databases
+        }
+        self.loop = Loop(
+            self,
+            Pacing(
+                poll_interval=config.poll_interval,
+                min_poll_interval=config.poll_interval,
+                liveness_file=config.liveness_file,
+                liveness_interval=config.liveness_interval,
+                until_empty=config.until_empty,
+            ),
+            clock=monotonic,
+            observers=self.listeners,
+        )
+        if config.heartbeat_interval is not None:
+            self.loop.heartbeat = Heartbeat(
+                HandlerMembers(list(self._by_alias.values()), self.member_id),
+                config.heartbeat_interval,
+                # Shards taken over from a dead processor are due now.
+                on_takeover=self.loop.waiter.wake,
+                what="handler processor",
+                log=logger,
+            )
 
     def stop(self) -> None:
-        """Ask :meth:`run` to return after the shard in hand."""
-        self._stop.set()
+        """Ask :meth:`run` to return after the message in hand; safe in a signal handler."""
+        self.loop.stop()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self.loop.stopping
 
     def run(self) -> StopReason:
         """Process until stopped (or, with ``until_empty``, until no shard is due)."""
-        while not self._stop.is_set():
-            if self.run_once():
-                continue
-            if self.config.until_empty:
-                return StopReason.EMPTY
-            self._stop.wait(self.config.poll_interval)
-        return StopReason.STOPPED
+        return self.loop.run()
+
+    # -- the lane --------------------------------------------------------------
+
+    def turn(self) -> Turn:
+        """One pass over every database (:meth:`run_once`)."""
+        claimed, failed = self._run_once()
+        if claimed:
+            return Turn.FULL
+        return Turn.PAUSED if failed else Turn.EMPTY
+
+    def paused_for(self) -> float:
+        """After a database error: the poll interval."""
+        return self.config.poll_interval
+
+    def next_due(self) -> float:
+        """Backoffs are polled for (the database holds them): nothing to wake for."""
+        return math.inf
+
+    def finish(self) -> None:
+        """Nothing is left to settle: every message settles in its own turn."""
 
     def run_once(self) -> int:
         """One pass over every database; returns how many shards were claimed."""
+        return self._run_once()[0]
+
+    def _run_once(self) -> tuple[int, bool]:
         claimed = 0
+        failed = False
         for alias in self.config.databases:
+            store = self._by_alias[alias]
             try:
-                claimed += self._pass(HandlerStore(alias))
-            except Exception:
-                logger.exception("handler pass on database %r failed", alias)
-                connections[alias].close()
-        emit(self.listeners, PassDone(claimed))
-        return claimed
+                claimed += self._pass(store)
+            except OutboxDatabaseError as exc:
+                failed = True
+                logger.error("handler pass on database %r failed: %s", alias, exc)
+                notify(self.listeners, LoopError(f"pass on {alias}", str(exc)))
+                store.reset_connection()
+        notify(self.listeners, PassDone(claimed))
+        return claimed, failed
 
     def flush(self, alias: str, shards: Iterable[str]) -> None:
         """Process ``shards`` now, unless another processor holds them (on commit)."""
-        store = HandlerStore(alias)
+        store = self.stores(alias, holder=None)
         keys = sorted(set(shards))
         store.ensure_shards(keys)
         while keys:
@@ -189,11 +214,11 @@ class Processor:
             keys.remove(lease.shard)
             self.process(store, lease)
 
-    def _pass(self, store: HandlerStore) -> int:
+    def _pass(self, store: HandlerLeases) -> int:
         self._give_back(store)
         self._discover(store)
         claimed = 0
-        while not self._stop.is_set():
+        while not self.stopping:
             lease = store.claim(_token(), self.config.lease_seconds)
             if lease is None:
                 break
@@ -201,7 +226,7 @@ class Processor:
             self.process(store, lease)
         return claimed
 
-    def _give_back(self, store: HandlerStore) -> None:
+    def _give_back(self, store: HandlerLeases) -> None:
         """Make the shards a database error interrupted due again, no attempt charged.
 
         Their leases are still in the database; left there, the shards would wait
@@ -212,7 +237,7 @@ class Processor:
             store.requeue(leases[-1])
             leases.pop()
 
-    def _discover(self, store: HandlerStore) -> None:
+    def _discover(self, store: HandlerLeases) -> None:
         now = self._monotonic()
         last = self._discovered_at.get(store.using)
         if self.config.until_empty or last is None:
@@ -225,9 +250,17 @@ class Processor:
             if found:
                 logger.info("%d shard(s) without a shard row recovered", found)
 
-    def process(self, store: HandlerStore, lease: Lease) -> None:
+    def process(self, store: HandlerLeases, lease: Lease) -> None:
         """Run the shard's messages in order while the lease holds, then give it up."""
-        with Renewer(store, lease, self.config.lease_seconds):
+        seconds = self.config.lease_seconds
+        keeper = LeaseKeeper(
+            lambda: store.renew(lease, seconds),
+            seconds,
+            name=f"lease on shard {lease.shard!r}",
+            done=store.reset_connection,  # the keeper thread's connection
+            log=logger,
+        )
+        with keeper:
             try:
                 self._drain(store, lease)
             except LeaseLost:
@@ -236,14 +269,14 @@ class Processor:
                     "was rolled back or will run again",
                     lease.shard,
                 )
-            except (DatabaseError, InterfaceError):
+            except OutboxDatabaseError:
                 self._interrupted.setdefault(store.using, []).append(lease)
                 raise
 
-    def _drain(self, store: HandlerStore, lease: Lease) -> None:
+    def _drain(self, store: HandlerLeases, lease: Lease) -> None:
         for _ in range(self.config.windows_per_claim):
             pauses = store.pauses()
-            if lease.shard in pauses.shards or self._stop.is_set():
+            if lease.shard in pauses.shards or self.stopping:
                 store.requeue(lease)
                 return
             rows = store.read(lease, self.config.window)
@@ -251,12 +284,14 @@ class Processor:
             if not rows:
                 store.release(lease)
                 return
-            plan = coalesce(rows, self.categories.coalesces)
+            plan = coalesce(
+                rows, self.categories.coalesces, self._newest(store, lease, rows)
+            )
             if plan.superseded:
                 store.discard(
                     lease, plan.superseded, plan.coalesced, self.config.lease_seconds
                 )
-                emit(
+                notify(
                     self.listeners,
                     MessagesCoalesced(store.using, lease.shard, plan.coalesced),
                 )
@@ -264,9 +299,18 @@ class Processor:
                 return
         store.requeue(lease)
 
+    def _newest(
+        self, store: HandlerLeases, lease: Lease, rows: Sequence[Row]
+    ) -> dict[tuple[str, str], int]:
+        """Newer ids of the window's coalescing objects further on in the shard."""
+        if len(rows) < self.config.window:
+            return {}  # the whole shard was read
+        coalescing = [r for r in rows if self.categories.coalesces(r.category)]
+        return store.newest(lease, coalescing) if coalescing else {}
+
     def _run_window(
         self,
-        store: HandlerStore,
+        store: HandlerLeases,
         lease: Lease,
         plan: Plan,
         pauses: Pauses,
@@ -277,20 +321,20 @@ class Processor:
             if row.category in pauses.categories:
                 store.hold(lease, row.category, self.config.pause_recheck_seconds)
                 return False
-            if self.run_one(store, lease, row, read_at) is Outcome.RETRY:
+            if self.run_one(store, lease, row, read_at) is Action.RETRY:
                 return False
         return True
 
     def run_one(
-        self, store: HandlerStore, lease: Lease, row: Row, read_at: float | None = None
-    ) -> Outcome:
-        """Run one message's receiver, settle it, and report it to the listeners.
+        self, store: HandlerLeases, lease: Lease, row: Row, read_at: float | None = None
+    ) -> Action:
+        """Run one message's receiver, settle it, and report it to the observers.
 
         ``read_at``: the monotonic time the row was read, to report its age.
         """
         started = self._monotonic()
         attempt = (lease.attempts if lease.head_id == row.id else 0) + 1
-        outcome = self._run_and_settle(store, lease, row, attempt)
+        action = self._run_and_settle(store, lease, row, attempt)
         if self.listeners:
             ended = self._monotonic()
             age = None
@@ -300,42 +344,48 @@ class Processor:
                 store.using,
                 lease.shard,
                 row.category,
-                outcome,
+                action,
                 attempt,
                 max(0.0, ended - started),
                 age,
             )
-            emit(self.listeners, event)
-        return outcome
+            notify(self.listeners, event)
+        return action
 
     def _run_and_settle(
-        self, store: HandlerStore, lease: Lease, row: Row, attempt: int
-    ) -> Outcome:
+        self, store: HandlerLeases, lease: Lease, row: Row, attempt: int
+    ) -> Action:
         category = self.categories.get(row.category)
         try:
-            if category is None:
-                raise LookupError(
-                    f"no receiver is registered for handler category {row.category!r} "
-                    f"in this process"
-                )
             self._call(store, lease, row, category, attempt)
-        except LeaseLost:
-            raise
-        except Exception as exc:
+        except _ReceiverFailed as failed:
+            exc = failed.error
             error = "".join(
                 traceback.format_exception(type(exc), exc, exc.__traceback__)
             )
             return self._failed(store, lease, row, category, attempt, error)
-        return Outcome.DONE
+        return Action.DELETE
 
     def _call(
         self,
-        store: HandlerStore,
+        store: HandlerLeases,
         lease: Lease,
         row: Row,
-        category: Category,
+        category: Category | None,
         attempt: int,
     ) -> None:
+        """Run the receiver and delete the message; a receiver's error is wrapped.
+
+        The store's own errors (:class:`LeaseLost`, :class:`OutboxDatabaseError`)
+        pass through: they are not the receiver's fault.
+        """
+        if category is None:
+            raise _ReceiverFailed(
+                LookupError(
+                    f"no receiver is registered for handler category "
+                    f"{row.category!r} in this process"
+                )
+            )
         kwargs = {
             "shard": lease.shard,
             "object_id": row.object_id,
@@ -347,31 +397,33 @@ class Processor:
         }
         seconds = self.config.lease_seconds
         if category.atomic:
-            with transaction.atomic(using=store.using):
-                category.receiver(**kwargs)
+            with store.atomic():
+                _receive(category, kwargs)
                 store.complete(lease, row.id, seconds)
             return
-        category.receiver(**kwargs)
-        with transaction.atomic(using=store.using):
+        _receive(category, kwargs)
+        with store.atomic():
             store.complete(lease, row.id, seconds)
 
     def _failed(
         self,
-        store: HandlerStore,
+        store: HandlerLeases,
         lease: Lease,
         row: Row,
         category: Category | None,
         attempt: int,
         error: str,
-    ) -> Outcome:
+    ) -> Action:
         max_attempts = category.max_attempts if category is not None else None
         decision = after_failure(
+            row.id,
             attempt,
             max_attempts,
             self.config.retry_base_seconds,
             self.config.retry_max_seconds,
+            self.random,
         )
-        if decision.verdict is Verdict.DEAD_LETTER:
+        if decision.action is Action.DEAD_LETTER:
             logger.error(
                 "handler %r failed %d time(s) on shard %r: message %d dead-lettered",
                 row.category,
@@ -380,7 +432,7 @@ class Processor:
                 row.id,
             )
             store.dead_letter(lease, row, attempt, error, self.config.lease_seconds)
-            return Outcome.DEAD_LETTER
+            return Action.DEAD_LETTER
         logger.warning(
             "handler %r failed on shard %r (attempt %d); retry in %.1f s",
             row.category,
@@ -388,8 +440,23 @@ class Processor:
             attempt,
             decision.delay,
         )
-        store.retry_later(lease, row, decision, error)
-        return Outcome.RETRY
+        store.retry_later(lease, row, attempt, decision.delay, error)
+        return Action.RETRY
+
+
+class _ReceiverFailed(Exception):
+    """A receiver raised ``error`` (kept apart from the store's own errors)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _receive(category: Category, kwargs: dict[str, Any]) -> None:
+    try:
+        category.receiver(**kwargs)
+    except Exception as exc:  # the receiver's failure, whatever it is
+        raise _ReceiverFailed(exc) from exc
 
 
 def _token() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from ..engine.backoff import backoff as engine_backoff
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 
 
@@ -23,10 +24,10 @@ class RetryPolicy:
 
 
 def backoff(attempt: int, policy: RetryPolicy, random: Callable[[], float]) -> float:
-    """Seconds before retry number ``attempt`` (1-based): capped exponential, equal jitter."""
-    exponent = min(max(attempt - 1, 0), 62)
-    ceiling = min(policy.max_seconds, policy.base_seconds * 2.0**exponent)
-    return ceiling / 2 + random() * ceiling / 2
+    """Seconds before retry number ``attempt`` (1-based): :func:`.engine.backoff.backoff`."""
+    return engine_backoff(
+        max(attempt, 1), policy.base_seconds, policy.max_seconds, random
+    )
 
 
 def decide(

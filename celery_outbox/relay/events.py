@@ -1,157 +1,61 @@
-"""What the relay loop reports. Logging, metrics and signals subscribe to these."""
+"""Deprecated: the relay's observations live in :mod:`celery_outbox.relay.observations`.
+
+"Event" is the word of :mod:`celery_outbox.events` (the published fan-out); the
+loop's reports to its observers are observations. Kept for one release.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol
+import warnings
+from collections.abc import Sequence
 
-from ..envelope import StoredMessage
-from ..outcomes import PublishResult, Settlement
-from ..store import SettleReport
-from ..store.ordering import CoalescedRow
+from ..engine.observations import notify
+from .observations import (
+    BatchHook,
+    BatchSettled,
+    BreakerOpened,
+    Coalesced,
+    Idle,
+    LoopError,
+    Observer,
+    RelayObservation,
+    StopReason,
+    TracingHook,
+    guarded,
+    log_observation,
+)
 
-logger = logging.getLogger("celery_outbox.relay")
+warnings.warn(
+    "celery_outbox.relay.events is deprecated and goes in the next release: import "
+    "from celery_outbox.relay.observations (RelayEvent is RelayObservation, Listener "
+    "is Observer, log_event is log_observation, emit is "
+    "celery_outbox.engine.observations.notify).",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
-
-class StopReason(enum.Enum):
-    """Why :meth:`Relay.run` returned."""
-
-    SIGNAL = "signal"
-    EMPTY = "empty"
-
-
-@dataclass(frozen=True)
-class BatchSettled:
-    """A batch was claimed, published and settled (the settlement is committed)."""
-
-    messages: tuple[StoredMessage, ...]
-    results: tuple[PublishResult, ...]
-    settlement: Settlement
-    report: SettleReport
-    #: Claim to settled, and the publish alone.
-    seconds: float
-    publish_seconds: float
-
-    @property
-    def claimed(self) -> int:
-        """How many rows the batch held."""
-        return len(self.messages)
+RelayEvent = RelayObservation
+Listener = Observer
+log_event = log_observation
 
 
-@dataclass(frozen=True)
-class LoopError:
-    """A stage of the loop failed; the loop goes on."""
-
-    stage: str
-    error: str
+def emit(listeners: Sequence[Observer], event: RelayObservation) -> None:
+    """Deprecated: :func:`celery_outbox.engine.observations.notify`."""
+    notify(listeners, event)
 
 
-@dataclass(frozen=True)
-class BreakerOpened:
-    """Consecutive broker outages: claiming pauses."""
-
-    seconds: float
-    #: The last outage's reason, as the publisher gave it.
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class Idle:
-    """A turn of the loop found nothing to publish (or was paused); it waits next."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Coalesced:
-    """A claim deleted unpublished rows that a newer row of their group replaces."""
-
-    rows: tuple[CoalescedRow, ...]
-
-
-RelayEvent = BatchSettled | LoopError | BreakerOpened | Idle | Coalesced
-Listener = Callable[[RelayEvent], None]
-
-
-class BatchHook(Protocol):
-    """Wraps the publishing and settling of each batch (a tracing span, for instance).
-
-    The batch's :class:`BatchSettled` event is emitted inside the block, so a hook that
-    is also a listener can annotate what it opened.
-    """
-
-    def batch(self, messages: Sequence[StoredMessage]) -> AbstractContextManager[Any]:
-        """The context manager entered around one batch."""
-        ...
-
-
-class TracingHook(BatchHook, Protocol):
-    """A batch hook that also listens to the events of the batch it wraps."""
-
-    def __call__(self, event: RelayEvent) -> None:
-        """Receive one relay event."""
-        ...
-
-
-def log_event(event: RelayEvent) -> None:
-    """The default listener: one log line per event worth a line."""
-    if isinstance(event, BatchSettled):
-        report = event.report
-        logger.info(
-            "batch: %d claimed, %d published, %d retried, %d dead-lettered, %d released "
-            "in %.1f ms",
-            event.claimed,
-            report.deleted + report.held,
-            report.retried,
-            report.dead_lettered,
-            report.released,
-            event.seconds * 1000,
-        )
-    elif isinstance(event, LoopError):
-        logger.error("relay %s failed: %s", event.stage, event.error)
-    elif isinstance(event, BreakerOpened):
-        logger.warning(
-            "broker unreachable: pausing for %.1f s: %s",
-            event.seconds,
-            event.error or "no reason given",
-        )
-    elif isinstance(event, Coalesced):
-        logger.info("coalesced: %d older rows dropped for newer ones", len(event.rows))
-
-
-def emit(listeners: Sequence[Listener], event: RelayEvent) -> None:
-    """Deliver an event; a failing listener is logged and never stops the loop."""
-    for listener in listeners:
-        try:
-            listener(event)
-        except Exception:
-            logger.exception("relay event listener %r failed", listener)
-
-
-@contextlib.contextmanager
-def guarded(hook: BatchHook, messages: Sequence[StoredMessage]) -> Iterator[None]:
-    """Enter a batch hook; a hook that fails is logged and never stops the loop."""
-    try:
-        manager = hook.batch(messages)
-        manager.__enter__()
-    except Exception:
-        logger.exception("relay batch hook %r failed", hook)
-        yield
-        return
-    try:
-        yield
-    except BaseException as exc:
-        try:
-            manager.__exit__(type(exc), exc, exc.__traceback__)
-        except Exception:
-            logger.exception("relay batch hook %r failed", hook)
-        raise
-    try:
-        manager.__exit__(None, None, None)
-    except Exception:
-        logger.exception("relay batch hook %r failed", hook)
+__all__ = [
+    "BatchHook",
+    "BatchSettled",
+    "BreakerOpened",
+    "Coalesced",
+    "Idle",
+    "Listener",
+    "LoopError",
+    "RelayEvent",
+    "StopReason",
+    "TracingHook",
+    "emit",
+    "guarded",
+    "log_event",
+]

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..envelope import StoredMessage
 from ..outcomes import Decision
-from .events import BatchSettled, RelayEvent
+from .observations import BatchSettled, RelayObservation
 
 logger = logging.getLogger("celery_outbox.relay")
 
@@ -134,7 +134,7 @@ class FailureLog:
         self.limiter = limiter or LogLimiter()
         self.context = context
 
-    def __call__(self, event: RelayEvent) -> None:
+    def __call__(self, event: RelayObservation) -> None:
         """Write the summaries now due, then the lines of a settled batch."""
         for suppressed in self.limiter.ended():
             level = logging.WARNING if suppressed.kind == RETRY else logging.ERROR

@@ -7,18 +7,18 @@ commits before the first publish, and the settlement is a second short transacti
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import Protocol
 
 from ..broker import Publisher, describe
+from ..engine.heartbeat import Heartbeat
+from ..engine.loop import Loop, Pacing, Turn, WakeupSource
+from ..engine.observations import LoopError, StopReason, notify
+from ..engine.waiter import Waiter
 from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
 from ..ordering.core import ordered_settlement
@@ -26,52 +26,29 @@ from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from ..store import Claim, RelayStore, SettleReport
 from .config import RelayConfig
 from .core import Breaker, Suspects, judge_alone, settle
-from .events import (
+from .observations import (
     BatchHook,
     BatchSettled,
     BreakerOpened,
     Coalesced,
-    Idle,
-    Listener,
-    LoopError,
-    StopReason,
-    emit,
+    Observer,
     guarded,
-    log_event,
+    log_observation,
 )
-from .heartbeat import Heartbeat
-from .waiter import Waiter
 
 logger = logging.getLogger("celery_outbox.relay")
 
 
-class WakeupSource(Protocol):
-    """Something that becomes readable when new rows commit (LISTEN/NOTIFY)."""
-
-    def fileno(self) -> int | None:
-        """The file to select on, or None when not available right now."""
-        ...
-
-    def drain(self) -> int:
-        """Consume what woke us; how many hints arrived."""
-        ...
-
-    def close(self) -> None:
-        """Release the source."""
-        ...
-
-
-class Cycle(enum.Enum):
-    """How one turn of the loop ended, which decides how long to wait."""
-
-    FULL = "full"  # a whole batch: go again at once
-    PARTIAL = "partial"  # fewer rows than a batch: the table is drained for now
-    EMPTY = "empty"  # nothing due
-    PAUSED = "paused"  # breaker open or an error: wait before trying again
+#: How one turn of the relay ended: the engine's :class:`~.engine.loop.Turn`.
+Cycle = Turn
 
 
 class Relay:
-    """Moves committed outbox rows to the broker until stopped."""
+    """Moves committed outbox rows to the broker until stopped: a lane of the engine.
+
+    :meth:`run` hands the relay to an :class:`~.engine.loop.Loop`, which calls
+    :meth:`turn` (claim → publish → decide → settle) and rests between turns.
+    """
 
     def __init__(
         self,
@@ -82,7 +59,7 @@ class Relay:
         clock: Callable[[], float] = time.monotonic,
         random_source: Callable[[], float] = random.random,
         waiter: Waiter | None = None,
-        listeners: Sequence[Listener] = (log_event,),
+        listeners: Sequence[Observer] = (log_observation,),
         wakeup: WakeupSource | None = None,
         batch_hooks: Sequence[BatchHook] = (),
         heartbeat: Heartbeat | None = None,
@@ -92,24 +69,48 @@ class Relay:
         self.config = config
         self.clock = clock
         self.random = random_source
-        self.waiter = waiter or Waiter()
-        self.listeners = list(listeners)
+        self.listeners: list[Observer] = list(listeners)
         #: Entered around each batch's publish and settlement (tracing).
         self.batch_hooks = list(batch_hooks)
         self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
         self.suspects = Suspects(config.isolate_after)
-        self._stopping = False
-        self._stop_at: float | None = None
         self._unsettled: tuple[str, Settlement] | None = None
-        self._last_touch = 0.0
-        self.wakeup = wakeup
-        self._idle_wait = config.min_poll_interval
         #: Set while :meth:`run` runs with ``config.prefetch`` on a database that
         #: takes concurrent claims.
         self._prefetcher: _Prefetcher | None = None
-        #: Beats while :meth:`run` runs, so that a killed relay's rows are taken
-        #: over by the others long before their lease ends.
-        self.heartbeat = heartbeat
+        #: The engine's loop that turns this lane; it beats ``heartbeat`` while it
+        #: runs, so that a killed relay's rows are taken over long before their
+        #: lease ends.
+        self.loop = Loop(
+            self,
+            Pacing(
+                poll_interval=config.poll_interval,
+                min_poll_interval=config.min_poll_interval,
+                liveness_file=config.liveness_file,
+                liveness_interval=config.liveness_interval,
+                until_empty=config.until_empty,
+            ),
+            clock=clock,
+            waiter=waiter,
+            observers=self.listeners,
+            wakeup=wakeup,
+            heartbeat=heartbeat,
+        )
+
+    @property
+    def waiter(self) -> Waiter:
+        """The loop's waiter (a signal handler may wake it)."""
+        return self.loop.waiter
+
+    @property
+    def wakeup(self) -> WakeupSource | None:
+        """What wakes the idle loop when rows commit (LISTEN/NOTIFY), if anything."""
+        return self.loop.wakeup
+
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        """The heartbeat the loop beats while it runs, if any."""
+        return self.loop.heartbeat
 
     def stop(self) -> None:
         """Ask the loop to finish the current batch and return; safe in a signal handler.
@@ -117,15 +118,12 @@ class Relay:
         No new message is started; in-flight publishes get ``shutdown_timeout``;
         rows of the batch not yet sent are handed back at once.
         """
-        if self._stop_at is None:
-            self._stop_at = self.clock()
-        self._stopping = True
-        self.waiter.wake()
+        self.loop.stop()
 
     @property
     def stopping(self) -> bool:
         """Whether :meth:`stop` was called."""
-        return self._stopping
+        return self.loop.stopping
 
     def run(self) -> StopReason:
         """Relay until stopped (or, with ``until_empty``, until nothing is due)."""
@@ -133,39 +131,37 @@ class Relay:
             logger.info("relay started (database %r)", self.store.alias)
             if self.config.prefetch and self.store.concurrent_claims:
                 self._prefetcher = _Prefetcher(self.store, self.clock)
-            if self.heartbeat is not None:
-                self.heartbeat.start()
             try:
-                reason = self._loop()
+                reason = self.loop.run()
             finally:
-                try:
-                    self._close_prefetcher()
-                finally:
-                    if self.heartbeat is not None:
-                        self.heartbeat.stop()
+                self._close_prefetcher()
         self.publisher.close()
         if self.wakeup is not None:
             self.wakeup.close()
         return reason
 
-    def _loop(self) -> StopReason:
-        while not self._stopping:
-            self._touch_liveness()
-            cycle = self.run_once()
-            if cycle is Cycle.FULL:
-                continue
-            if self.config.until_empty and cycle in (Cycle.EMPTY, Cycle.PARTIAL):
-                if self.run_once() is Cycle.EMPTY:
-                    return StopReason.EMPTY
-                continue
-            seconds = self._pause_seconds(cycle)
-            emit(self.listeners, Idle(seconds))
-            self._pause(seconds, woken_by_rows=cycle is not Cycle.PAUSED)
+    # -- the lane --------------------------------------------------------------
+
+    def turn(self) -> Turn:
+        """One turn of the engine's loop: :meth:`run_once`."""
+        return self.run_once()
+
+    def paused_for(self) -> float:
+        """Rest while the breaker is open, else ``error_pause`` after an error."""
+        if self.breaker.is_open(self.clock()):
+            return self.breaker.open_until - self.clock()
+        return self.config.error_pause
+
+    def next_due(self) -> float:
+        """Seconds until the next scheduled row falls due (the relay wakes for it)."""
+        return self._seconds_until_due()
+
+    def finish(self) -> None:
+        """One last try at a settlement a database error left behind."""
         if self._unsettled is not None:
-            # One last try: the batch was published, and rows left leased would go
-            # out again once their lease ran out.
+            # The batch was published, and rows left leased would go out again
+            # once their lease ran out.
             self._retry_settlement()
-        return StopReason.SIGNAL
 
     def run_once(self) -> Cycle:
         """One turn: settle what is left over, then claim, publish and settle a batch."""
@@ -180,7 +176,7 @@ class Relay:
             self._database_failed("claim", exc)
             return Cycle.PAUSED
         full = len(claim.messages) >= self.config.batch_size
-        if full and self._prefetcher is not None and not self._stopping:
+        if full and self._prefetcher is not None and not self.stopping:
             # Busy: claim the next batch while this one goes to the broker.
             self._prefetcher.start(self.config.batch_size, self.config.lease_seconds)
         if not self.process(claim, leased_at=leased_at):
@@ -212,7 +208,7 @@ class Relay:
         if claim.unreadable:
             self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
         if claim.coalesced:
-            emit(self.listeners, Coalesced(claim.coalesced))
+            notify(self.listeners, Coalesced(claim.coalesced))
         if not claim.messages:
             return 0
         if not self.batch_hooks:
@@ -225,7 +221,7 @@ class Relay:
         return len(claim.messages)
 
     def _publish_batch(self, claim: Claim, started: float, leased_at: float) -> None:
-        """Publish claimed rows, decide, settle and emit :class:`BatchSettled`."""
+        """Publish claimed rows, decide, settle and report :class:`BatchSettled`."""
         budget = _BatchBudget(
             self, claim.token, [m.id for m in claim.messages], started, leased_at
         )
@@ -250,7 +246,7 @@ class Relay:
                 self.clock() - started,
                 publish_seconds,
             )
-            emit(self.listeners, event)
+            notify(self.listeners, event)
 
     # -- internals -------------------------------------------------------------
 
@@ -350,27 +346,11 @@ class Relay:
         if not was_open and self.breaker.is_open(self.clock()):
             reason = next((r.error for r in results if r.outcome is Outcome.OUTAGE), "")
             seconds = self.breaker.open_until - self.clock()
-            emit(self.listeners, BreakerOpened(seconds, reason))
+            notify(self.listeners, BreakerOpened(seconds, reason))
 
     def _database_failed(self, stage: str, exc: OutboxDatabaseError) -> None:
-        emit(self.listeners, LoopError(stage, describe(exc)))
+        notify(self.listeners, LoopError(stage, describe(exc)))
         self.store.reset_connection()
-
-    def _pause_seconds(self, cycle: Cycle) -> float:
-        if cycle is Cycle.PAUSED:
-            if self.breaker.is_open(self.clock()):
-                return self.breaker.open_until - self.clock()
-            return self.config.error_pause
-        # Adaptive polling: right after work, look again soon (rows may have committed
-        # while we published); every empty look doubles the wait, up to poll_interval.
-        if cycle is Cycle.PARTIAL:
-            self._idle_wait = self.config.min_poll_interval
-        wait = min(self._idle_wait, self.config.poll_interval)
-        self._idle_wait = min(self._idle_wait * 2, self.config.poll_interval)
-        if cycle is Cycle.EMPTY and wait >= _ASK_DUE_AFTER:
-            # Scheduled rows: wake when the next one falls due, not at a later poll.
-            wait = min(wait, self._seconds_until_due())
-        return wait
 
     def _seconds_until_due(self) -> float:
         try:
@@ -379,42 +359,6 @@ class Relay:
             self._database_failed("seconds_until_due", exc)
             return math.inf
         return math.inf if due is None else due
-
-    def _pause(self, seconds: float, *, woken_by_rows: bool) -> None:
-        end = self.clock() + seconds
-        while not self._stopping:
-            remaining = end - self.clock()
-            if remaining <= 0:
-                return
-            fd = (
-                self.wakeup.fileno()
-                if (woken_by_rows and self.wakeup is not None)
-                else None
-            )
-            also = () if fd is None else (fd,)
-            if self.waiter.wait(min(remaining, self.config.liveness_interval), also):
-                if self.wakeup is not None and self.wakeup.drain():
-                    self._idle_wait = self.config.min_poll_interval
-                return
-            self._touch_liveness()
-
-    def _touch_liveness(self) -> None:
-        path = self.config.liveness_file
-        if path is None:
-            return
-        now = self.clock()
-        if now - self._last_touch < 1.0:
-            return
-        self._last_touch = now
-        try:
-            Path(path).touch()
-            os.utime(path)
-        except OSError as exc:
-            logger.warning("cannot touch liveness file %s: %s", path, exc)
-
-
-#: An idle relay about to wait at least this long asks when the next row falls due.
-_ASK_DUE_AFTER = 0.05
 
 
 class _BatchBudget:
@@ -436,7 +380,7 @@ class _BatchBudget:
 
     def keep_going(self) -> bool:
         relay = self._relay
-        relay._touch_liveness()
+        relay.loop.touch_liveness()
         now = relay.clock()
         lease = relay.config.lease_seconds
         if now - self._renewed > lease / 3:
@@ -445,14 +389,14 @@ class _BatchBudget:
             try:
                 relay.store.renew(self._token, self._ids, lease)
             except OutboxDatabaseError as exc:
-                emit(relay.listeners, LoopError("renew", describe(exc)))
+                notify(relay.listeners, LoopError("renew", describe(exc)))
         return not relay.stopping
 
     def deadline(self) -> float:
         relay = self._relay
         deadline = self._started + relay.config.send_timeout
-        if relay._stop_at is not None:
-            deadline = min(deadline, relay._stop_at + relay.config.shutdown_timeout)
+        if relay.loop.stop_at is not None:
+            deadline = min(deadline, relay.loop.stop_at + relay.config.shutdown_timeout)
         return deadline
 
 

@@ -12,18 +12,18 @@ from ..broker import Publisher, broker_driver, build_publisher
 from ..conf import OutboxSettings
 from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
+from ..engine.heartbeat import Heartbeat, new_relay_id
+from ..engine.waiter import Waiter
 from ..metrics import RelayMetrics, configured_sinks
 from ..signals import send_relay_signals
 from ..store import outbox_stores
 from .config import RelayConfig
-from .events import Listener, TracingHook, log_event
-from .heartbeat import Heartbeat, new_relay_id
 from .listener import PgNotifyListener
 from .logs import FailureLog
 from .loop import Relay
+from .observations import Observer, TracingHook, log_observation
 from .probe import broker_location, probe_broker, probe_database
 from .sent import sent_event_listeners
-from .waiter import Waiter
 
 
 def build_relay(
@@ -50,7 +50,7 @@ def build_relay(
     # any other; a database that is down or lacks the tables stops the relay here.
     database = probe_database(store)
     broker = ""
-    sent_events: list[Listener] = []
+    sent_events: list[Observer] = []
     if publisher is None:
         app = resolve_app(settings)
         # Celery's task-sent event, when the app asks for it (task_send_sent_event).
@@ -70,7 +70,7 @@ def build_relay(
     wakeup = None
     if settings.notify and connections[stores.alias].vendor == "postgresql":
         wakeup = PgNotifyListener(stores.alias)
-    listeners: list[Listener] = [log_event, send_relay_signals, *sent_events]
+    listeners: list[Observer] = [log_observation, send_relay_signals, *sent_events]
     listeners.extend(
         RelayMetrics(sink, stores.operator())
         for sink in configured_sinks(settings, metrics_port)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..envelope import Envelope
-from .events import BatchSettled, Listener, RelayEvent
+from .observations import BatchSettled, Observer, RelayObservation
 
 #: The event's type, as Celery names it.
 TASK_SENT = "task-sent"
@@ -50,7 +50,7 @@ class TaskSentEvents:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    def __call__(self, event: RelayEvent) -> None:
+    def __call__(self, event: RelayObservation) -> None:
         """Send the events of one settled batch (published and strict-held rows)."""
         if not isinstance(event, BatchSettled):
             return
@@ -65,7 +65,7 @@ class TaskSentEvents:
                 dispatcher.send(TASK_SENT, **sent_fields(message.envelope))
 
 
-def sent_event_listeners(app: Any) -> list[Listener]:
+def sent_event_listeners(app: Any) -> list[Observer]:
     """``[TaskSentEvents(app)]`` when the app has ``task_send_sent_event`` on, else none."""
     if app.conf.task_send_sent_event:
         return [TaskSentEvents(app)]

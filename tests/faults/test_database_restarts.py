@@ -1,7 +1,7 @@
 """The relay and the handler processor ride through a restart of their database.
 
 PostgreSQL and MariaDB are stopped for a few seconds while a relay publishes to
-RabbitMQ and a handler processor (``manage.py outbox handlers``) runs receivers, then
+RabbitMQ and a handler processor (``manage.py outbox handlers run``) runs receivers, then
 started again. Both processes must keep running, lose nothing, charge no attempt for
 the outage, and empty their tables within :data:`RECOVERY_LIMIT` seconds of the
 database accepting connections again.

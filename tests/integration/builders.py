@@ -11,8 +11,8 @@ from django.db import connections
 from celery_outbox.envelope import Envelope
 from celery_outbox.ordering.options import HEADER
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.relay.events import StopReason
 from celery_outbox.relay.loop import Relay
+from celery_outbox.relay.observations import StopReason
 from celery_outbox.store import RelayStore
 
 

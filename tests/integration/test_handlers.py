@@ -28,7 +28,7 @@ from celery_outbox.handlers.models import (
 )
 from celery_outbox.handlers.processor import Processor, ProcessorConfig
 from celery_outbox.handlers.registry import Category, Registry
-from celery_outbox.handlers.store import HandlerStore
+from celery_outbox.store.handlers.sql import HandlerStore
 from tests.project.shop.models import TaskRun
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -241,10 +241,11 @@ def test_an_atomic_receiver_commits_with_its_message_or_not_at_all(
     categories.add(Category(name, write_then_fail))
     with transaction.atomic(using=alias):
         emit(name, shard="a", object_id=1, using=alias)
-    run = processor(alias, categories, retry_base_seconds=0.05)
+    # The retry waits 0.25 to 0.5 s (jittered): not within the first run.
+    run = processor(alias, categories, retry_base_seconds=0.5)
     run.run()
     assert TaskRun.objects.using(alias).filter(tag=tag).count() == 0
-    time.sleep(0.1)
+    time.sleep(0.6)
     run.run()
     assert runs == [1, 2]
     assert TaskRun.objects.using(alias).filter(tag=tag).count() == 1

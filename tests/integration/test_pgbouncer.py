@@ -23,9 +23,9 @@ from django.db.backends.postgresql.base import DatabaseWrapper
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.events import StopReason
 from celery_outbox.relay.listener import PgNotifyListener
 from celery_outbox.relay.loop import Relay
+from celery_outbox.relay.observations import StopReason
 from celery_outbox.store import Stores
 
 from .builders import envelope

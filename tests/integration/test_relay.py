@@ -19,8 +19,8 @@ from celery_outbox.exceptions import OutboxDatabaseError
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.events import Idle, RelayEvent, StopReason
 from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.relay.observations import Idle, RelayObservation, StopReason
 from celery_outbox.store import Stores
 from celery_outbox.store.store import RelayQueries
 from celery_outbox.store.types import SettleReport
@@ -150,9 +150,9 @@ def test_an_outage_uses_no_attempts_and_opens_the_breaker(alias: str) -> None:
 
 def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
     enqueue(alias, "a")
-    seen: list[RelayEvent] = []
+    seen: list[RelayObservation] = []
 
-    def broken(event: RelayEvent) -> None:
+    def broken(event: RelayObservation) -> None:
         seen.append(event)
         raise RuntimeError("metrics are down")
 
@@ -358,7 +358,7 @@ def test_an_open_breaker_hands_back_a_prefetched_batch(alias: str) -> None:
     publisher = InMemoryPublisher()
     publisher.down = True
     relay = relay_for(alias, publisher, batch_size=4, breaker_threshold=1)
-    pauses: list[RelayEvent] = []
+    pauses: list[RelayObservation] = []
     relay.listeners.append(
         lambda event: pauses.append(event) if isinstance(event, Idle) else None
     )

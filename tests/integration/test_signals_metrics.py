@@ -198,7 +198,7 @@ def test_dead_letter_count_is_exposed() -> None:
 
 
 def test_an_idle_relay_keeps_the_backlog_gauges_fresh() -> None:
-    from celery_outbox.relay.events import Idle
+    from celery_outbox.relay.observations import Idle
 
     registry = prometheus_client.CollectorRegistry()
     metrics = RelayMetrics(

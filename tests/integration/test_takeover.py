@@ -9,9 +9,9 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
+from celery_outbox.engine.heartbeat import Heartbeat
 from celery_outbox.models import OutboxMessage, RelayHeartbeat
 from celery_outbox.outcomes import Action, Decision, Settlement
-from celery_outbox.relay.heartbeat import Heartbeat
 from celery_outbox.store import Stores
 
 from .builders import envelope

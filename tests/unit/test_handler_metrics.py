@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from celery_outbox.handlers.events import (
+from celery_outbox.handlers.metrics import HandlerMetrics
+from celery_outbox.handlers.observations import (
     MessageHandled,
     MessagesCoalesced,
-    Outcome,
     PassDone,
 )
-from celery_outbox.handlers.metrics import HandlerMetrics
-from celery_outbox.handlers.store import HandlerStats
+from celery_outbox.outcomes import Action
+from celery_outbox.store.handlers import HandlerStats
 
 from .fakes import FakeClock
 
@@ -51,17 +51,17 @@ def backlog(database: str, **values: object) -> HandlerStats:
     return HandlerStats(**fields)  # type: ignore[arg-type]
 
 
-def handled(outcome: Outcome, age: float | None = 2.0) -> MessageHandled:
+def handled(outcome: Action, age: float | None = 2.0) -> MessageHandled:
     return MessageHandled("default", "org:1", "org.update", outcome, 1, 0.25, age)
 
 
 def test_outcomes_count_and_time_like_the_relays() -> None:
     sink = RecordingSink()
     metrics = HandlerMetrics(sink)
-    for outcome in (Outcome.DONE, Outcome.DONE, Outcome.RETRY, Outcome.DEAD_LETTER):
+    for outcome in (Action.DELETE, Action.DELETE, Action.RETRY, Action.DEAD_LETTER):
         metrics(handled(outcome))
     metrics(MessagesCoalesced("default", "org:1", {"org.update": 3, "org.delete": 1}))
-    metrics(handled(Outcome.DONE, age=None))  # no age measured: no lag observation
+    metrics(handled(Action.DELETE, age=None))  # no age measured: no lag observation
 
     assert sink.counters == {
         "handler_processed_total": 3,
@@ -119,8 +119,8 @@ def test_a_pass_samples_at_most_every_interval_and_a_failed_sample_is_skipped() 
     assert asked == ["down", "up", "down", "up"]
 
 
-@pytest.mark.parametrize("outcome", list(Outcome))
-def test_every_outcome_has_a_counter(outcome: Outcome) -> None:
+@pytest.mark.parametrize("outcome", [Action.DELETE, Action.RETRY, Action.DEAD_LETTER])
+def test_every_outcome_has_a_counter(outcome: Action) -> None:
     sink = RecordingSink()
     HandlerMetrics(sink)(handled(outcome))
     assert sum(sink.counters.values()) == 1

@@ -48,6 +48,9 @@ PLACES = {
     "celery_outbox.migrations": "stores",
     "celery_outbox.models": "stores",
     "celery_outbox.store": "stores",
+    # The handler app's tables: its store (celery_outbox.store.handlers) reads them.
+    "celery_outbox.handlers.migrations": "stores",
+    "celery_outbox.handlers.models": "stores",
     # The engine of leased work.
     "celery_outbox.engine": "engine",
     # Lanes, and what observes them.

@@ -22,8 +22,8 @@ from celery_outbox.operations import (
 from celery_outbox.outcomes import Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import RetryPolicy
-from celery_outbox.relay.events import StopReason
 from celery_outbox.relay.loop import Relay
+from celery_outbox.relay.observations import StopReason
 from celery_outbox.store.memory import InMemoryStore
 from celery_outbox.store.memory_operator import InMemoryOperatorQueries
 

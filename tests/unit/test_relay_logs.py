@@ -15,9 +15,9 @@ from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import RetryPolicy
-from celery_outbox.relay.events import BatchSettled, Idle, log_event
 from celery_outbox.relay.logs import FailureLog, LogLimiter, Suppressed
 from celery_outbox.relay.loop import Relay
+from celery_outbox.relay.observations import BatchSettled, Idle, log_observation
 from celery_outbox.store import SettleReport
 from celery_outbox.store.memory import InMemoryStore
 
@@ -212,7 +212,7 @@ def test_the_breaker_line_says_why_the_broker_is_unreachable(
         ),
         clock=clock,
         waiter=FakeWaiter(clock),
-        listeners=[log_event],
+        listeners=[log_observation],
     )
     store.add([envelope("a")])
     with caplog.at_level(logging.WARNING, logger="celery_outbox.relay"):

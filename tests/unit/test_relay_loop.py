@@ -13,13 +13,13 @@ from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import RetryPolicy
-from celery_outbox.relay.events import (
+from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.relay.observations import (
     BatchSettled,
     BreakerOpened,
-    RelayEvent,
+    RelayObservation,
     StopReason,
 )
-from celery_outbox.relay.loop import Cycle, Relay
 from celery_outbox.store.memory import InMemoryStore
 
 from ..integration.builders import envelope
@@ -38,7 +38,7 @@ class World:
         self.clock = FakeClock()
         self.store = InMemoryStore(self.clock)
         self.publisher = publisher or InMemoryPublisher()
-        self.events: list[RelayEvent] = []
+        self.events: list[RelayObservation] = []
         values: dict[str, Any] = {
             "batch_size": 10,
             "lease_seconds": 30.0,

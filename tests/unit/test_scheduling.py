@@ -14,7 +14,7 @@ import pytest
 from django.test import override_settings
 
 from celery_outbox.conf import OutboxConfigurationError, get_settings, load_settings
-from celery_outbox.relay.events import Idle, RelayEvent
+from celery_outbox.relay.observations import Idle, RelayObservation
 from celery_outbox.scheduling import far_eta, schedule
 from celery_outbox.states import SCHEDULED, message_state
 
@@ -132,7 +132,7 @@ def test_a_scheduled_row_has_its_own_state_name() -> None:
 def run_until_published(world: World, count: int) -> list[float]:
     """Run the relay until ``count`` messages went out; the idle waits it chose."""
 
-    def stop_when_done(event: RelayEvent) -> None:
+    def stop_when_done(event: RelayObservation) -> None:
         if len(world.published()) >= count:
             world.relay.stop()
 
@@ -163,7 +163,7 @@ def test_a_relay_polls_as_before_when_nothing_is_scheduled() -> None:
     world.clock.advance(0)
     waits: list[float] = []
 
-    def stop_after_a_while(event: RelayEvent) -> None:
+    def stop_after_a_while(event: RelayObservation) -> None:
         if isinstance(event, Idle):
             waits.append(event.seconds)
             if len(waits) == 12:
