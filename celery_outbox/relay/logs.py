@@ -180,7 +180,7 @@ def _write(kind: str, message: StoredMessage, decision: Decision) -> None:
     else:
         logger.error(
             "task %s [%s] failed for good after %d attempts and blocks ordering key "
-            "%r (manage.py outbox_ordering retry KEY, or skip KEY): %s",
+            "%r (manage.py outbox ordering retry --key KEY, or skip --key KEY): %s",
             envelope.task_name,
             envelope.task_id,
             attempt,

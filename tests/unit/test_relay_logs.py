@@ -240,6 +240,6 @@ def test_a_head_that_blocks_its_ordering_key_says_which_key_and_why(
     assert line.levelno == logging.ERROR
     assert line.getMessage() == (
         f"task shop.record [{head.envelope.task_id}] failed for good after 5 attempts "
-        f"and blocks ordering key 'order-42' (manage.py outbox_ordering retry KEY, or "
-        f"skip KEY): {REASON}"
+        f"and blocks ordering key 'order-42' (manage.py outbox ordering retry --key KEY, "
+        f"or skip --key KEY): {REASON}"
     )
