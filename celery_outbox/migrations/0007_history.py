@@ -1,7 +1,7 @@
 """Each message's history (``CELERY_OUTBOX_HISTORY``): one row per event, by task id.
 
 A new table only: nothing is written to it until the setting is on. Its one index
-is on ``task_id`` (``outbox inspect``, the admin); the retention purge walks the
+is on ``task_id`` (``outbox tasks inspect``, the admin); the retention purge walks the
 primary key instead of an index on ``at``, which every settlement would update.
 """
 

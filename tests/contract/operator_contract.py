@@ -1,4 +1,4 @@
-"""The operator's contract: what ``outbox stats``, ``replay``, ``purge`` and the admin
+"""The operator's contract: what ``outbox tasks stats``, ``replay``, ``purge`` and the admin
 rely on, for every :class:`~celery_outbox.store.OperatorStore`.
 
 A runner subclasses :class:`OperatorContract` and provides a ``harness`` fixture (an

@@ -1,7 +1,7 @@
 """The task-side commands tell the truth: no traceback, no success when nothing happened.
 
 A command that cannot read its tables, its database or its archive exits 1 with the
-fix; a selector naming something that does not exist exits 1 like ``outbox replay``.
+fix; a selector naming something that does not exist exits 1 like ``outbox tasks replay``.
 The first tests run ``manage.py`` in a process of its own, as an operator does, to
 see the exit status and what is printed.
 """

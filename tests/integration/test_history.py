@@ -1,4 +1,4 @@
-"""Each message's history and ``outbox inspect``, on every database alias."""
+"""Each message's history and ``outbox tasks inspect``, on every database alias."""
 
 from __future__ import annotations
 
@@ -245,7 +245,7 @@ def test_the_retention_task_purges_the_history(alias: str, store: Stores) -> Non
     ) == [young]
 
 
-# -- outbox inspect -----------------------------------------------------------------
+# -- outbox tasks inspect -----------------------------------------------------------
 
 
 @pytest.fixture

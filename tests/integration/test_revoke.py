@@ -3,7 +3,7 @@
 On every database, through the real OutboxCelery app: ``AsyncResult.revoke()``,
 ``GroupResult.revoke()`` and ``app.control.revoke()`` delete the rows no relay holds,
 inside the caller's transaction when there is one; the history records it and
-``outbox inspect`` says so; Celery's broadcast to the workers still goes out.
+``outbox tasks inspect`` says so; Celery's broadcast to the workers still goes out.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``outbox inspect``'s decisions and the history settings, on values (no database)."""
+"""``outbox tasks inspect``'s decisions and the history settings, on values (no database)."""
 
 from __future__ import annotations
 

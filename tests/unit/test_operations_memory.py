@@ -1,4 +1,4 @@
-"""``outbox stats``, ``replay`` and ``purge`` on the in-memory twins, after the real
+"""``outbox tasks stats``, ``replay`` and ``purge`` on the in-memory twins, after the real
 relay loop dead-lettered what the broker refused: no database, no broker, no sleeping.
 """
 
