@@ -16,37 +16,12 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Protocol
 
 from ..exceptions import OutboxDatabaseError
+from ..store.protocol import Membership
 
 #: A member silent for this many heartbeat intervals is taken for dead.
 STALE_BEATS = 3
-
-
-class Membership(Protocol):
-    """Where a lane's members beat, and how a silent member's leases end."""
-
-    @property
-    def holder(self) -> str | None:
-        """The member id this object beats and claims for."""
-        ...
-
-    def beat(self, relay_id: str, name: str) -> None:
-        """Record that the member is alive now; adds its row if it went."""
-        ...
-
-    def take_over(self, stale_seconds: float) -> int:
-        """End the leases of members silent for ``stale_seconds``; how many."""
-        ...
-
-    def leave(self, relay_id: str) -> None:
-        """Remove the member's heartbeat (a member that stops cleanly)."""
-        ...
-
-    def reset_connection(self) -> None:
-        """Drop a connection that failed, so that the next call reconnects."""
-        ...
 
 
 def new_member_id() -> str:

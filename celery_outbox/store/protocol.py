@@ -238,29 +238,37 @@ class HistoryStore(Protocol):
         ...
 
 
-class RegistryStore(Protocol):
-    """Relay heartbeats, and the takeover of a silent relay's leases."""
+class Membership(Protocol):
+    """Where a lane's members beat, and how a silent member's leases end.
+
+    The engine's heartbeat (:mod:`celery_outbox.engine.heartbeat`) drives it: the
+    relay's registry and the handler processor's members both are one.
+    """
 
     @property
     def holder(self) -> str | None:
-        """The heartbeat id of the relay this object beats for."""
+        """The member id this object beats and claims for."""
         ...
 
     def beat(self, relay_id: str, name: str) -> None:
-        """Record that ``relay_id`` is alive now; adds its row if it went."""
+        """Record that the member is alive now; adds its row if it went."""
         ...
 
     def take_over(self, stale_seconds: float) -> int:
-        """End the leases held by relays silent for ``stale_seconds``; how many rows."""
+        """End the leases of members silent for ``stale_seconds``; how many."""
         ...
 
     def leave(self, relay_id: str) -> None:
-        """Remove ``relay_id``'s heartbeat (a relay that stops cleanly)."""
+        """Remove the member's heartbeat (a member that stops cleanly)."""
         ...
 
     def reset_connection(self) -> None:
         """Drop a connection that failed, so that the next call reconnects."""
         ...
+
+
+class RegistryStore(Membership, Protocol):
+    """Relay heartbeats, and the takeover of a silent relay's leases."""
 
 
 class EventStore(Protocol):
