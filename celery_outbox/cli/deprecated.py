@@ -8,9 +8,9 @@ fills ``key``...), and whose ``run`` warns before doing the new verb's work.
 from __future__ import annotations
 
 import argparse
-import warnings
 from typing import Any
 
+from ..deprecation import deprecated
 from . import events, handlers, ordering, tasks
 from .options import Run, Streams, add_databases, positive
 
@@ -19,9 +19,8 @@ def spelled(old: str, new: str, run: Run) -> Run:
     """``run``, after a DeprecationWarning (and a line on stderr) naming ``new``."""
 
     def warn_then_run(options: dict[str, Any], streams: Streams) -> None:
-        message = f"'{old}' is deprecated and goes in 1.0: use '{new}'."
+        message = deprecated(f"'{old}'", f"'{new}'")
         streams.err.write(f"warning: {message}")
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
         run(options, streams)
 
     return warn_then_run

@@ -15,13 +15,13 @@ receivers. The old spellings (``@app.handler``, :class:`Handler`,
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..conf import get_settings
+from ..deprecation import deprecated
 from ..exceptions import OutboxConfigurationError
 from .modes import Retries, resolve, transport_of
 from .names import (
@@ -261,11 +261,11 @@ def _refuse_shared_service(registry: Registry, service: str) -> None:
 
 def _renamed(old: str, new: str, stacklevel: int = 3) -> None:
     """Warn that ``old`` (an events name with "handler" in it) is now ``new``."""
-    warnings.warn(
-        f"{old} is deprecated: use {new}. Events have subscribers; 'handler' is the "
-        f"handler outbox's word (celery_outbox.handlers). The old spelling keeps "
-        f"working in the 0.x releases.",
-        DeprecationWarning,
+    deprecated(
+        old,
+        new,
+        note="Events have subscribers; 'handler' is the handler outbox's word "
+        "(celery_outbox.handlers).",
         stacklevel=stacklevel,
     )
 

@@ -9,9 +9,9 @@ observers are observations, handed out by
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Sequence
 
+from ..deprecation import deprecated
 from ..engine.observations import notify
 from .observations import (
     HandlerObservation,
@@ -21,13 +21,11 @@ from .observations import (
     PassDone,
 )
 
-warnings.warn(
-    "celery_outbox.handlers.events is deprecated and goes in the next release: "
-    "import from celery_outbox.handlers.observations (HandlerEvent is "
-    "HandlerObservation, HandlerListener is HandlerObserver; MessageHandled.action "
-    "is a celery_outbox.outcomes.Action: DELETE for done).",
-    DeprecationWarning,
-    stacklevel=2,
+deprecated(
+    "celery_outbox.handlers.events",
+    "celery_outbox.handlers.observations",
+    note="HandlerEvent is HandlerObservation, HandlerListener is HandlerObserver; "
+    "MessageHandled.action is a celery_outbox.outcomes.Action: DELETE for done.",
 )
 
 HandlerEvent = HandlerObservation

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
-
+from ..deprecation import deprecated
 from ..store.handlers import (
     ERROR_LIMIT,
     BlockedShard,
@@ -16,12 +15,7 @@ from ..store.handlers import (
 )
 from ..store.handlers.sql import HandlerMembers, HandlerStore
 
-warnings.warn(
-    "celery_outbox.handlers.store is deprecated and goes in the next release: "
-    "import from celery_outbox.store.handlers.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+deprecated("celery_outbox.handlers.store", "celery_outbox.store.handlers")
 
 __all__ = [
     "ERROR_LIMIT",

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
 from django.db import IntegrityError, OperationalError, transaction
 
 from ..conf import OutboxSettings, get_settings
+from ..deprecation import deprecated
 from ..exceptions import OutboxValueError
 from ..store import outbox_alias
 from ..text import check_text
@@ -239,12 +239,10 @@ class InboxMixin(_Base):
 
 def __getattr__(name: str) -> Any:
     if name == "InboxTask":
-        warnings.warn(
-            f"{__name__}.InboxTask is deprecated: use celery_outbox.task.OutboxTask "
-            f"(the app's task class, composed of the inbox and ordering parts). The "
-            f"old name keeps working in the 0.x releases.",
-            DeprecationWarning,
-            stacklevel=2,
+        deprecated(
+            f"{__name__}.InboxTask",
+            "celery_outbox.task.OutboxTask",
+            note="It is the app's task class, composed of the inbox and ordering parts.",
         )
         from ..task import OutboxTask
 

@@ -11,8 +11,9 @@ the old name still works and warns.
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
+
+from ..deprecation import deprecated
 
 #: Task attributes that become call options when the call has a key.
 DEFAULTS = ("ordering", "ordering_policy", "coalesce")
@@ -48,12 +49,10 @@ class OrderingMixin(_Base):
 
 def __getattr__(name: str) -> Any:
     if name == "OrderedTask":
-        warnings.warn(
-            f"{__name__}.OrderedTask is deprecated: use celery_outbox.task.OutboxTask "
-            f"(the app's task class, composed of the inbox and ordering parts). The "
-            f"old name keeps working in the 0.x releases.",
-            DeprecationWarning,
-            stacklevel=2,
+        deprecated(
+            f"{__name__}.OrderedTask",
+            "celery_outbox.task.OutboxTask",
+            note="It is the app's task class, composed of the inbox and ordering parts.",
         )
         from ..task import OutboxTask
 

@@ -6,9 +6,9 @@ loop's reports to its observers are observations. Kept for one release.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
+from ..deprecation import deprecated
 from ..engine.observations import notify
 from .observations import (
     BatchHook,
@@ -25,13 +25,11 @@ from .observations import (
     log_observation,
 )
 
-warnings.warn(
-    "celery_outbox.relay.events is deprecated and goes in the next release: import "
-    "from celery_outbox.relay.observations (RelayEvent is RelayObservation, Listener "
-    "is Observer, log_event is log_observation, emit is "
-    "celery_outbox.engine.observations.notify).",
-    DeprecationWarning,
-    stacklevel=2,
+deprecated(
+    "celery_outbox.relay.events",
+    "celery_outbox.relay.observations",
+    note="RelayEvent is RelayObservation, Listener is Observer, log_event is "
+    "log_observation, emit is celery_outbox.engine.observations.notify.",
 )
 
 RelayEvent = RelayObservation

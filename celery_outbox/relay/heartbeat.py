@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
+from ..deprecation import deprecated
 from ..engine.heartbeat import STALE_BEATS, Heartbeat, new_relay_id
 
-warnings.warn(
-    "celery_outbox.relay.heartbeat is deprecated and goes in the next release: "
-    "import Heartbeat, STALE_BEATS and new_member_id from "
-    "celery_outbox.engine.heartbeat.",
-    DeprecationWarning,
-    stacklevel=2,
+deprecated(
+    "celery_outbox.relay.heartbeat",
+    "celery_outbox.engine.heartbeat (Heartbeat, STALE_BEATS, new_member_id)",
 )
 
 __all__ = ["STALE_BEATS", "Heartbeat", "new_relay_id"]

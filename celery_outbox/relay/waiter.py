@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
+from ..deprecation import deprecated
 from ..engine.waiter import Waiter
 
-warnings.warn(
-    "celery_outbox.relay.waiter is deprecated and goes in the next release: "
-    "import Waiter from celery_outbox.engine.waiter.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+deprecated("celery_outbox.relay.waiter", "celery_outbox.engine.waiter (Waiter)")
 
 __all__ = ["Waiter"]

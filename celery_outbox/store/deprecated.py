@@ -6,8 +6,7 @@ Build the role you need instead: ``outbox_stores().ordering().blocked_heads()``
 
 from __future__ import annotations
 
-import warnings
-
+from ..deprecation import deprecated
 from .dedup import DedupKeys
 from .history import HistoryLog
 from .operator import OperatorQueries
@@ -25,17 +24,16 @@ class OutboxStore(
     OrderingQueries,
     HistoryLog,
 ):
-    """Deprecated: every role of the store on one alias; goes in the next release."""
+    """Deprecated: every role of the store on one alias; goes in 1.0."""
 
     def __init__(
         self, alias: str, *, holder: str | None = None, history: bool | None = None
     ) -> None:
-        warnings.warn(
-            "celery_outbox.store.OutboxStore is deprecated and goes in the next "
-            "release. Take the role you need from celery_outbox.store.outbox_stores() "
-            "(or Stores(alias)): .ordering() for blocked heads, .operator() for "
-            "statistics and dead letters, .history_log() for a message's trace.",
-            DeprecationWarning,
-            stacklevel=2,
+        deprecated(
+            "celery_outbox.store.OutboxStore",
+            "the role you need from celery_outbox.store.outbox_stores() (or "
+            "Stores(alias))",
+            note=".ordering() for blocked heads, .operator() for statistics and dead "
+            "letters, .history_log() for a message's trace.",
         )
         super().__init__(alias, holder=holder, history=history)

@@ -39,7 +39,7 @@ def old(*args: str, new: str) -> str:
     out, err = StringIO(), StringIO()
     with pytest.warns(DeprecationWarning, match=re.escape(f"use '{new}'")):
         call_command(*args, stdout=out, stderr=err)
-    assert f"is deprecated and goes in 1.0: use '{new}'" in err.getvalue()
+    assert f"is deprecated: use '{new}'." in err.getvalue()
     return out.getvalue()
 
 
