@@ -67,19 +67,13 @@ def task_urls(
     return links
 
 
-class OutboxRecords:
-    """Records on the outbox alias, shown read-only.
+class ReadOnlyRecords:
+    """The one admin base of the package's tables: records shown, never edited.
 
-    Rows are written by the enqueue path and the store; operators change them
-    through actions that call the store, never by editing or deleting in the ORM.
+    Rows are written by the enqueue path, the lanes and the stores; operators act
+    on them through admin actions that call a store. Mixed in before
+    ``admin.ModelAdmin`` by the outbox's admins and the handler outboxes'.
     """
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        """The records on the outbox alias."""
-        from .store import outbox_alias
-
-        queryset: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
-        return cast("QuerySet[Any]", queryset.using(outbox_alias(get_settings())))
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Nothing is added by hand."""
@@ -88,6 +82,17 @@ class OutboxRecords:
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Fields are never edited."""
         return False
+
+
+class OutboxRecords(ReadOnlyRecords):
+    """Records on the outbox alias, shown read-only, never deleted in the ORM."""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        """The records on the outbox alias."""
+        from .store import outbox_alias
+
+        queryset: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
+        return cast("QuerySet[Any]", queryset.using(outbox_alias(get_settings())))
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """No ORM deletes: the store's actions and the retention purge delete."""

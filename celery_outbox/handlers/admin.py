@@ -16,6 +16,7 @@ from django.db import router
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
+from ..history_admin import ReadOnlyRecords
 from ..store.handlers.sql import HandlerStore
 from .models import HandlerDeadLetter, HandlerMessage, HandlerPause, HandlerShard
 from .registry import registry
@@ -28,14 +29,8 @@ def _store() -> HandlerStore:
     return HandlerStore(router.db_for_write(HandlerMessage))
 
 
-class _ReadOnly(admin.ModelAdmin):  # type: ignore[type-arg]
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(
-        self, request: HttpRequest, obj: Model | None = None
-    ) -> bool:
-        return False
+class _ReadOnly(ReadOnlyRecords, admin.ModelAdmin):  # type: ignore[type-arg]
+    """Handler outbox rows: on the router's database, read-only like the outbox's."""
 
 
 @admin.register(HandlerMessage)
