@@ -155,7 +155,7 @@ def _drain(app: Any, count: int) -> float:
     publisher = build_publisher(app, settings)
     try:
         config = RelayConfig.from_settings(settings, until_empty=True)
-        relay = Relay(outbox_stores(settings).relay(), publisher, config, listeners=())
+        relay = Relay(outbox_stores(settings).relay(), publisher, config, observers=())
         started = time.perf_counter()
         relay.run()
         elapsed = time.perf_counter() - started

@@ -470,7 +470,7 @@ class OutboxFixture:
             RelayConfig.from_settings(get_settings(), until_empty=True, prefetch=False),
             waiter=waiter,
             # The relay's Django signals, as `outbox relay` sends them.
-            listeners=(send_relay_signals, listen),
+            observers=(send_relay_signals, listen),
         )
         try:
             with store.relay_lock():

@@ -29,7 +29,7 @@ def run_processor(
     write: Callable[[str], None],
 ) -> None:
     """Run the handler processor until it stops (a signal, or empty with ``until_empty``)."""
-    from .metrics import processor_listeners
+    from .metrics import processor_observers
     from .processor import Processor, config_from_settings
 
     config = config_from_settings(
@@ -40,12 +40,12 @@ def run_processor(
         until_empty=until_empty or None,
         liveness_file=liveness_file,
     )
-    listeners = processor_listeners(get_settings(), config.databases, metrics_port)
+    observers = processor_observers(get_settings(), config.databases, metrics_port)
     try:
-        _run(Processor(config, listeners=listeners), write)
+        _run(Processor(config, observers=observers), write)
     finally:
-        for listener in listeners:
-            listener.close()
+        for observer in observers:
+            observer.close()
 
 
 def _run(processor: Any, write: Callable[[str], None]) -> None:

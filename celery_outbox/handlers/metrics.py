@@ -122,10 +122,10 @@ def _largest(values: Iterable[float | None]) -> float:
     return max((v for v in values if v is not None), default=0.0)
 
 
-def processor_listeners(
+def processor_observers(
     settings: OutboxSettings, databases: Sequence[str], metrics_port: int | None = None
 ) -> list[HandlerMetrics]:
-    """The metrics listeners a processor gets: StatsD when configured, Prometheus on a port."""
+    """The metrics observers a processor gets: StatsD when configured, Prometheus on a port."""
     from ..metrics import configured_sinks
 
     return [
@@ -134,7 +134,7 @@ def processor_listeners(
     ]
 
 
-def flush_listeners(settings: OutboxSettings) -> list[HandlerObserver]:
+def flush_observers(settings: OutboxSettings) -> list[HandlerObserver]:
     """Counters for flushes in a writing process: StatsD only, one sink per process."""
     if not settings.statsd_address:
         return []

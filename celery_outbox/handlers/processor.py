@@ -25,6 +25,7 @@ from typing import Any
 from django.db import connections, router
 
 from ..conf import OutboxSettings, get_settings
+from ..deprecation import deprecated
 from ..engine.heartbeat import Heartbeat, new_member_id
 from ..engine.lease import LeaseKeeper
 from ..engine.loop import Loop, Pacing, Turn
@@ -108,16 +109,20 @@ class Processor:
         categories: Registry = registry,
         *,
         monotonic: Callable[[], float] = time.monotonic,
-        listeners: Sequence[HandlerObserver] = (),
+        observers: Sequence[HandlerObserver] = (),
         random_source: Callable[[], float] = random.random,
         stores: Callable[..., HandlerLeases] = HandlerStore,
+        listeners: Sequence[HandlerObserver] | None = None,
     ) -> None:
+        if listeners is not None:
+            deprecated("Processor(listeners=...)", "Processor(observers=...)")
+            observers = listeners
         self.config = config
         #: ``stores(alias, holder=member id)``: the store of one database (SQL by
         #: default; :class:`~celery_outbox.store.handlers.MemoryHandlerStore` in tests).
         self.stores = stores
         self.categories = categories
-        self.listeners: list[HandlerObserver] = list(listeners)
+        self.observers: list[HandlerObserver] = list(observers)
         self.random = random_source
         self._monotonic = monotonic
         self._discovered_at: dict[str, float] = {}
@@ -138,7 +143,7 @@ class Processor:
                 until_empty=config.until_empty,
             ),
             clock=monotonic,
-            observers=self.listeners,
+            observers=self.observers,
         )
         if config.heartbeat_interval is not None:
             self.loop.heartbeat = Heartbeat(
@@ -197,9 +202,9 @@ class Processor:
             except OutboxDatabaseError as exc:
                 failed = True
                 logger.error("handler pass on database %r failed: %s", alias, exc)
-                notify(self.listeners, LoopError(f"pass on {alias}", str(exc)))
+                notify(self.observers, LoopError(f"pass on {alias}", str(exc)))
                 store.reset_connection()
-        notify(self.listeners, PassDone(claimed))
+        notify(self.observers, PassDone(claimed))
         return claimed, failed
 
     def flush(self, alias: str, shards: Iterable[str]) -> None:
@@ -292,7 +297,7 @@ class Processor:
                     lease, plan.superseded, plan.coalesced, self.config.lease_seconds
                 )
                 notify(
-                    self.listeners,
+                    self.observers,
                     MessagesCoalesced(store.using, lease.shard, plan.coalesced),
                 )
             if not self._run_window(store, lease, plan, pauses, read_at):
@@ -335,7 +340,7 @@ class Processor:
         started = self._monotonic()
         attempt = (lease.attempts if lease.head_id == row.id else 0) + 1
         action = self._run_and_settle(store, lease, row, attempt)
-        if self.listeners:
+        if self.observers:
             ended = self._monotonic()
             age = None
             if row.age_seconds is not None and read_at is not None:
@@ -349,7 +354,7 @@ class Processor:
                 max(0.0, ended - started),
                 age,
             )
-            notify(self.listeners, event)
+            notify(self.observers, event)
         return action
 
     def _run_and_settle(
@@ -466,11 +471,11 @@ def _token() -> str:
 def flush_shards(alias: str, shards: Sequence[str]) -> None:
     """Run ``shards`` in this process now; failures are logged, rows stay for the processor."""
     try:
-        from .metrics import flush_listeners
+        from .metrics import flush_observers
 
         settings = get_settings()
         config = config_from_settings(settings, databases=(alias,))
-        processor = Processor(config, listeners=flush_listeners(settings))
+        processor = Processor(config, observers=flush_observers(settings))
         processor.flush(alias, shards)
     except Exception:
         logger.exception(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..broker import Publisher, describe
+from ..deprecation import deprecated
 from ..engine.heartbeat import Heartbeat
 from ..engine.loop import Loop, Pacing, Turn, WakeupSource
 from ..engine.observations import LoopError, StopReason, notify
@@ -59,17 +60,21 @@ class Relay:
         clock: Callable[[], float] = time.monotonic,
         random_source: Callable[[], float] = random.random,
         waiter: Waiter | None = None,
-        listeners: Sequence[Observer] = (log_observation,),
+        observers: Sequence[Observer] = (log_observation,),
         wakeup: WakeupSource | None = None,
         batch_hooks: Sequence[BatchHook] = (),
         heartbeat: Heartbeat | None = None,
+        listeners: Sequence[Observer] | None = None,
     ) -> None:
+        if listeners is not None:
+            deprecated("Relay(listeners=...)", "Relay(observers=...)")
+            observers = listeners
         self.store = store
         self.publisher = publisher
         self.config = config
         self.clock = clock
         self.random = random_source
-        self.listeners: list[Observer] = list(listeners)
+        self.observers: list[Observer] = list(observers)
         #: Entered around each batch's publish and settlement (tracing).
         self.batch_hooks = list(batch_hooks)
         self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
@@ -92,7 +97,7 @@ class Relay:
             ),
             clock=clock,
             waiter=waiter,
-            observers=self.listeners,
+            observers=self.observers,
             wakeup=wakeup,
             heartbeat=heartbeat,
         )
@@ -208,7 +213,7 @@ class Relay:
         if claim.unreadable:
             self._settle(claim.token, Settlement(dead_letter=claim.unreadable))
         if claim.coalesced:
-            notify(self.listeners, Coalesced(claim.coalesced))
+            notify(self.observers, Coalesced(claim.coalesced))
         if not claim.messages:
             return 0
         if not self.batch_hooks:
@@ -246,7 +251,7 @@ class Relay:
                 self.clock() - started,
                 publish_seconds,
             )
-            notify(self.listeners, event)
+            notify(self.observers, event)
 
     # -- internals -------------------------------------------------------------
 
@@ -346,10 +351,10 @@ class Relay:
         if not was_open and self.breaker.is_open(self.clock()):
             reason = next((r.error for r in results if r.outcome is Outcome.OUTAGE), "")
             seconds = self.breaker.open_until - self.clock()
-            notify(self.listeners, BreakerOpened(seconds, reason))
+            notify(self.observers, BreakerOpened(seconds, reason))
 
     def _database_failed(self, stage: str, exc: OutboxDatabaseError) -> None:
-        notify(self.listeners, LoopError(stage, describe(exc)))
+        notify(self.observers, LoopError(stage, describe(exc)))
         self.store.reset_connection()
 
     def _seconds_until_due(self) -> float:
@@ -389,7 +394,7 @@ class _BatchBudget:
             try:
                 relay.store.renew(self._token, self._ids, lease)
             except OutboxDatabaseError as exc:
-                notify(relay.listeners, LoopError("renew", describe(exc)))
+                notify(relay.observers, LoopError("renew", describe(exc)))
         return not relay.stopping
 
     def deadline(self) -> float:

@@ -105,7 +105,7 @@ class CommitPublisher:
         relay = relays.get(alias)
         if relay is None:
             from ..signals import send_relay_signals
-            from .sent import sent_event_listeners
+            from .sent import sent_event_observers
 
             settings = get_settings()
             # One outage is enough to stop trying from request threads for a while.
@@ -115,7 +115,7 @@ class CommitPublisher:
                 Stores(alias).relay(),
                 publisher,
                 config,
-                listeners=[send_relay_signals, *sent_event_listeners(self._app)],
+                observers=[send_relay_signals, *sent_event_observers(self._app)],
             )
             relays[alias] = relay
         return relay

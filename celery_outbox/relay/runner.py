@@ -23,7 +23,7 @@ from .logs import FailureLog
 from .loop import Relay
 from .observations import Observer, TracingHook, log_observation
 from .probe import broker_location, probe_broker, probe_database
-from .sent import sent_event_listeners
+from .sent import sent_event_observers
 
 
 def build_relay(
@@ -54,7 +54,7 @@ def build_relay(
     if publisher is None:
         app = resolve_app(settings)
         # Celery's task-sent event, when the app asks for it (task_send_sent_event).
-        sent_events = sent_event_listeners(app)
+        sent_events = sent_event_observers(app)
         broker = broker_driver(app)
         where = broker_location(app)
         # Flags such as --send-timeout also bound connecting and socket reads.
@@ -70,19 +70,19 @@ def build_relay(
     wakeup = None
     if settings.notify and connections[stores.alias].vendor == "postgresql":
         wakeup = PgNotifyListener(stores.alias)
-    listeners: list[Observer] = [log_observation, send_relay_signals, *sent_events]
-    listeners.extend(
+    observers: list[Observer] = [log_observation, send_relay_signals, *sent_events]
+    observers.extend(
         RelayMetrics(sink, stores.operator())
         for sink in configured_sinks(settings, metrics_port)
     )
     batch_hooks = tracing_hooks(broker or type(publisher).__name__)
-    listeners.extend(batch_hooks)
+    observers.extend(batch_hooks)
     # Retries and dead letters, rate-limited; in each message's enqueue-time structlog
     # context when that is on.
     if settings.log_context and structlog_available():
-        listeners.append(FailureLog(context=bound_log_context))
+        observers.append(FailureLog(context=bound_log_context))
     else:
-        listeners.append(FailureLog())
+        observers.append(FailureLog())
     waiter = Waiter()
     # Rows taken over from a dead relay are due now: the loop claims them at once.
     heartbeat = Heartbeat(
@@ -96,14 +96,14 @@ def build_relay(
         config,
         waiter=waiter,
         wakeup=wakeup,
-        listeners=listeners,
+        observers=observers,
         batch_hooks=batch_hooks,
         heartbeat=heartbeat,
     )
 
 
 def tracing_hooks(broker: str) -> list[TracingHook]:
-    """Batch hooks (also listeners) for the tracing libraries this process has set up.
+    """Batch hooks (also observers) for the tracing libraries this process has set up.
 
     Sentry when ``sentry_sdk.init`` was called; OpenTelemetry when a TracerProvider
     is installed. A library the application never imported is never imported here.

@@ -65,7 +65,7 @@ class TaskSentEvents:
                 dispatcher.send(TASK_SENT, **sent_fields(message.envelope))
 
 
-def sent_event_listeners(app: Any) -> list[Observer]:
+def sent_event_observers(app: Any) -> list[Observer]:
     """``[TaskSentEvents(app)]`` when the app has ``task_send_sent_event`` on, else none."""
     if app.conf.task_send_sent_event:
         return [TaskSentEvents(app)]

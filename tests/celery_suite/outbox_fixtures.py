@@ -95,7 +95,7 @@ def outbox_relay(app: OutboxCelery) -> Iterator[None]:
     from celery_outbox.broker import build_publisher
     from celery_outbox.conf import get_settings
     from celery_outbox.relay.runner import build_relay
-    from celery_outbox.relay.sent import sent_event_listeners
+    from celery_outbox.relay.sent import sent_event_observers
 
     call_command("migrate", verbosity=0)
     connections.close_all()
@@ -103,7 +103,7 @@ def outbox_relay(app: OutboxCelery) -> Iterator[None]:
     # The relay publishes with the session app's broker configuration (the test
     # apps share it); several OutboxCelery exist, so it is named here.
     relay = build_relay(settings, publisher=build_publisher(app, settings))
-    relay.listeners.extend(sent_event_listeners(app))
+    relay.observers.extend(sent_event_observers(app))
 
     def run() -> None:
         try:

@@ -131,7 +131,7 @@ def assert_outage_charges_nothing(
 ) -> Relay:
     """Three cycles against ``publisher``: every row waits, unharmed, and why is logged."""
     config = RelayConfig.from_settings(STRICT, breaker_threshold=100)
-    relay = Relay(Stores(ALIAS).relay(), publisher, config, listeners=())
+    relay = Relay(Stores(ALIAS).relay(), publisher, config, observers=())
     with caplog.at_level(logging.WARNING, logger="celery_outbox"):
         for _ in range(3):
             relay.run_once()

@@ -302,7 +302,7 @@ def relay_until_empty(app: OutboxCelery) -> None:
     publisher = build_publisher(app, settings)
     try:
         config = RelayConfig.from_settings(settings, until_empty=True)
-        Relay(Stores("default").relay(), publisher, config, listeners=()).run()
+        Relay(Stores("default").relay(), publisher, config, observers=()).run()
     finally:
         publisher.close()
 

@@ -41,7 +41,7 @@ def name() -> str:
 
 
 def processor(
-    alias: str, categories: Registry, listeners: Any = (), **config: Any
+    alias: str, categories: Registry, observers: Any = (), **config: Any
 ) -> Processor:
     options: dict[str, Any] = {
         "databases": (alias,),
@@ -51,7 +51,7 @@ def processor(
         "until_empty": True,
     }
     options.update(config)
-    return Processor(ProcessorConfig(**options), categories, listeners=listeners)
+    return Processor(ProcessorConfig(**options), categories, observers=observers)
 
 
 def run_until(run: Processor, done: Any, seconds: float = 20.0) -> None:

@@ -131,7 +131,7 @@ def test_the_listener_notices_the_pooler_and_the_relay_polls(
     publisher = InMemoryPublisher()
     config = RelayConfig.from_settings(OutboxSettings(), until_empty=True)
     relay = Relay(
-        Stores(bouncer_alias).relay(), publisher, config, listeners=(), wakeup=listener
+        Stores(bouncer_alias).relay(), publisher, config, observers=(), wakeup=listener
     )
     assert relay.run() is StopReason.EMPTY
     assert [e.task_id.split("-")[0] for e in publisher.published] == ["pooled"]

@@ -96,7 +96,7 @@ def run_relay(confirm: bool) -> None:
         confirm=confirm,
     )
     config = RelayConfig.from_settings(SETTINGS, breaker_threshold=1000)
-    relay = Relay(Stores(ALIAS).relay(), publisher, config, listeners=())
+    relay = Relay(Stores(ALIAS).relay(), publisher, config, observers=())
     try:
         for _ in range(CYCLES):
             relay.run_once()

@@ -117,7 +117,7 @@ def relay_sends() -> list[str]:
     """The task ids a relay finds to publish, running until the outbox is empty."""
     publisher = InMemoryPublisher()
     config = RelayConfig.from_settings(OutboxSettings(), until_empty=True)
-    Relay(Stores("default").relay(), publisher, config, listeners=()).run()
+    Relay(Stores("default").relay(), publisher, config, observers=()).run()
     return [e.task_id for e in publisher.published]
 
 

@@ -58,7 +58,7 @@ def test_a_refusal_that_cannot_be_stored_is_retried_then_dead_lettered(
         Stores(alias, history=True).relay(),
         InMemoryPublisher(refuse),
         RelayConfig.from_settings(settings, until_empty=True),
-        listeners=(),
+        observers=(),
     )
     deadline = time.monotonic() + 15
     while OutboxMessage.objects.using(alias).exists() and time.monotonic() < deadline:

@@ -41,7 +41,7 @@ FAST = OutboxSettings(
 
 def relay_for(alias: str, publisher: InMemoryPublisher, **overrides: object) -> Relay:
     config = RelayConfig.from_settings(FAST, **overrides)
-    return Relay(Stores(alias).relay(), publisher, config, listeners=())
+    return Relay(Stores(alias).relay(), publisher, config, observers=())
 
 
 def enqueue(alias: str, *tags: str) -> None:
@@ -160,7 +160,7 @@ def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
         Stores(alias).relay(),
         InMemoryPublisher(),
         RelayConfig.from_settings(FAST),
-        listeners=[broken],
+        observers=[broken],
     )
     assert relay.run_once() is Cycle.PARTIAL
     assert len(seen) == 1
@@ -188,7 +188,7 @@ def test_a_settlement_left_by_a_database_error_is_retried_on_stop(alias: str) ->
     enqueue(alias, "a", "b", "c")
     publisher = InMemoryPublisher()
     store = SettleFailsOnceAndStops(alias)
-    relay = Relay(store, publisher, RelayConfig.from_settings(FAST), listeners=())
+    relay = Relay(store, publisher, RelayConfig.from_settings(FAST), observers=())
     store.relay = relay
     assert relay.run() is StopReason.SIGNAL
     assert store.failed
@@ -359,7 +359,7 @@ def test_an_open_breaker_hands_back_a_prefetched_batch(alias: str) -> None:
     publisher.down = True
     relay = relay_for(alias, publisher, batch_size=4, breaker_threshold=1)
     pauses: list[RelayObservation] = []
-    relay.listeners.append(
+    relay.observers.append(
         lambda event: pauses.append(event) if isinstance(event, Idle) else None
     )
     thread = start_in_thread(relay)

@@ -72,7 +72,7 @@ def test_relay_signals_follow_each_outcome(
         stores.relay(),
         InMemoryPublisher(refuse("bad")),
         RelayConfig.from_settings(SETTINGS),
-        listeners=[signals.send_relay_signals],
+        observers=[signals.send_relay_signals],
     )
     relay.run_once()
     kinds = {name: kwargs for name, kwargs in received}
@@ -101,7 +101,7 @@ def test_a_receiver_with_a_database_error_cannot_undo_the_settlement() -> None:
             Stores("default").relay(),
             InMemoryPublisher(),
             RelayConfig.from_settings(SETTINGS),
-            listeners=[signals.send_relay_signals],
+            observers=[signals.send_relay_signals],
         )
         relay.run_once()
     finally:
@@ -139,7 +139,7 @@ def run_batch_with(listener: RelayMetrics) -> None:
         Stores("default").relay(),
         InMemoryPublisher(refuse("bad")),
         RelayConfig.from_settings(SETTINGS),
-        listeners=[listener],
+        observers=[listener],
     ).run_once()
 
 
@@ -190,7 +190,7 @@ def test_dead_letter_count_is_exposed() -> None:
         Stores("default").relay(),
         InMemoryPublisher(refuse("bad")),
         RelayConfig.from_settings(SETTINGS),
-        listeners=[RelayMetrics(sink, Stores("default").operator())],
+        observers=[RelayMetrics(sink, Stores("default").operator())],
     ).run_once()
     assert registry.get_sample_value("celery_outbox_dead_lettered_total") == 1
     assert registry.get_sample_value("celery_outbox_dead") == 1
@@ -227,7 +227,7 @@ def test_the_breaker_gauge_falls_once_the_broker_answers_again() -> None:
             ),
             breaker_threshold=1,
         ),
-        listeners=[RelayMetrics(PrometheusSink(registry))],
+        observers=[RelayMetrics(PrometheusSink(registry))],
     )
     with transaction.atomic():
         Stores("default").writer().insert([envelope("bad")])

@@ -31,7 +31,7 @@ from celery_outbox.broker import build_publisher
 from celery_outbox.conf import get_settings
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Cycle, Relay
-from celery_outbox.relay.sent import sent_event_listeners
+from celery_outbox.relay.sent import sent_event_observers
 from celery_outbox.store import outbox_stores
 
 from ..conftest import BROKER_AMQP
@@ -150,7 +150,7 @@ def app_pair(queue: str) -> Iterator[tuple[Celery, OutboxCelery]]:
 
 
 def relay_once(app: OutboxCelery, count: int) -> None:
-    """A real relay cycle with the listeners ``outbox relay`` gives it for this app."""
+    """A real relay cycle with the observers ``outbox relay`` gives it for this app."""
     settings = get_settings()
     stores = outbox_stores(settings)
     operator = stores.operator()
@@ -160,7 +160,7 @@ def relay_once(app: OutboxCelery, count: int) -> None:
         stores.relay(),
         publisher,
         RelayConfig.from_settings(settings, until_empty=True),
-        listeners=sent_event_listeners(app),
+        observers=sent_event_observers(app),
     )
     try:
         assert relay.run_once() is Cycle.PARTIAL
@@ -225,9 +225,9 @@ def test_the_relay_sends_the_task_sent_event_stock_celery_sends() -> None:
 def test_no_event_unless_the_app_asks_for_it() -> None:
     outbox = OutboxCelery("quiet", set_as_current=False)
     try:
-        assert sent_event_listeners(outbox) == []
+        assert sent_event_observers(outbox) == []
         outbox.conf.task_send_sent_event = True
-        assert len(sent_event_listeners(outbox)) == 1
+        assert len(sent_event_observers(outbox)) == 1
     finally:
         outbox.close()
         outbox_app_module._instances.discard(outbox)

@@ -482,7 +482,7 @@ def test_relay_logs_failures_in_the_enqueue_context(settings: Any) -> None:
 
     publisher = InMemoryPublisher(refuse)
     relay_ = build_relay(get_settings(), publisher=publisher)
-    [failures_log] = [h for h in relay_.listeners if isinstance(h, FailureLog)]
+    [failures_log] = [h for h in relay_.observers if isinstance(h, FailureLog)]
     assert failures_log.context is bound_log_context
     handler = ContextHandler()
     logger = logging.getLogger("celery_outbox.relay")
@@ -560,7 +560,7 @@ def test_without_structlog_nothing_is_captured_and_no_listener_is_added(
     assert not structlog_available()
     assert capture_log_context(get_settings()) is EMPTY_LOG_CONTEXT
     relay_, _ = relay()
-    [failures_log] = [h for h in relay_.listeners if isinstance(h, FailureLog)]
+    [failures_log] = [h for h in relay_.observers if isinstance(h, FailureLog)]
     assert failures_log.context is not bound_log_context  # failures logged, no context
 
 

@@ -34,7 +34,7 @@ def idle_relay() -> Iterator[tuple[Relay, InMemoryPublisher]]:
         Stores("default").relay(),
         publisher,
         config,
-        listeners=(),
+        observers=(),
         wakeup=PgNotifyListener("default"),
     )
 

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from celery_outbox.engine.observations import StopReason
 from celery_outbox.handlers.observations import MessageHandled
 from celery_outbox.handlers.processor import Processor, ProcessorConfig
@@ -71,7 +73,7 @@ def test_a_failing_head_is_retried_then_dead_lettered_and_the_shard_goes_on() ->
     emit(tables, "c", "s", 1, "poison")
     emit(tables, "c", "s", 2, "fine")
     run = processor(tables, categories)
-    run.listeners.append(observed.append)
+    run.observers.append(observed.append)
 
     deadline = time.monotonic() + 5
     while tables.messages and time.monotonic() < deadline:
@@ -136,3 +138,24 @@ def test_a_dead_processors_shard_is_taken_over_by_the_heartbeat() -> None:
     assert ran == ["once"]
     assert time.monotonic() - started < 2  # three beats, not the 300 s lease
     assert tables.processors == {}  # the dead one taken over, the live one left
+
+
+def test_the_old_listeners_keyword_still_reaches_the_observers() -> None:
+    tables = HandlerTables()
+    seen: list[Any] = []
+    categories = Registry()
+    categories.add(Category("org", lambda **_: None))
+    emit(tables, "org", "s", 1, {"n": 1})
+    with pytest.warns(DeprecationWarning, match=r"use Processor\(observers=\.\.\.\)"):
+        old = Processor(
+            ProcessorConfig(
+                databases=("memory",), until_empty=True, heartbeat_interval=None
+            ),
+            categories,
+            stores=lambda alias, holder: MemoryHandlerStore(tables, holder=holder),
+            listeners=[seen.append],
+        )
+
+    assert old.run() is StopReason.EMPTY
+
+    assert [e.action for e in seen if isinstance(e, MessageHandled)] == [Action.DELETE]

@@ -62,7 +62,7 @@ class Outbox:
             config,
             clock=self.clock,
             waiter=FakeWaiter(self.clock),
-            listeners=(),
+            observers=(),
         )
         for _ in range(10):  # refused rows come back after their backoff
             assert relay.run() is StopReason.EMPTY

@@ -113,7 +113,7 @@ class Refusing:
             clock=self.clock,
             random_source=lambda: 1.0,  # every backoff exactly 1 s
             waiter=FakeWaiter(self.clock),
-            listeners=[self.log],
+            observers=[self.log],
         )
 
     @staticmethod
@@ -212,7 +212,7 @@ def test_the_breaker_line_says_why_the_broker_is_unreachable(
         ),
         clock=clock,
         waiter=FakeWaiter(clock),
-        listeners=[log_observation],
+        observers=[log_observation],
     )
     store.add([envelope("a")])
     with caplog.at_level(logging.WARNING, logger="celery_outbox.relay"):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
@@ -32,7 +34,7 @@ REFUSED = "PreconditionFailed: body too large"
 
 
 class World:
-    """A relay wired to in-memory parts, and what it told its listeners."""
+    """A relay wired to in-memory parts, and what it told its observers."""
 
     def __init__(self, publisher: InMemoryPublisher | None = None, **config: Any):
         self.clock = FakeClock()
@@ -57,7 +59,7 @@ class World:
             clock=self.clock,
             random_source=lambda: 0.5,  # backoffs exactly 3/4 of their ceiling
             waiter=FakeWaiter(self.clock),
-            listeners=[self.events.append],
+            observers=[self.events.append],
         )
 
     def enqueue(self, *tags: str) -> list[str]:
@@ -195,3 +197,23 @@ def test_prefetching_on_a_second_thread_publishes_each_row_once_in_order() -> No
     assert world.relay.run() is StopReason.EMPTY
     assert world.published() == sent
     assert world.store.pending() == 0
+
+
+def test_the_old_listeners_keyword_still_reaches_the_observers() -> None:
+    seen: list[RelayObservation] = []
+    world = World()
+    with pytest.warns(DeprecationWarning, match=r"use Relay\(observers=\.\.\.\)"):
+        relay = Relay(
+            world.store,
+            world.publisher,
+            world.relay.config,
+            clock=world.clock,
+            waiter=FakeWaiter(world.clock),
+            listeners=[seen.append],
+        )
+    world.enqueue("a")
+
+    relay.run_once()
+
+    assert world.published() != []
+    assert any(isinstance(event, BatchSettled) for event in seen)

@@ -136,7 +136,7 @@ def run_until_published(world: World, count: int) -> list[float]:
         if len(world.published()) >= count:
             world.relay.stop()
 
-    world.relay.listeners.append(stop_when_done)
+    world.relay.observers.append(stop_when_done)
     world.relay.run()
     return [e.seconds for e in world.events if isinstance(e, Idle)]
 
@@ -169,7 +169,7 @@ def test_a_relay_polls_as_before_when_nothing_is_scheduled() -> None:
             if len(waits) == 12:
                 world.relay.stop()
 
-    world.relay.listeners.append(stop_after_a_while)
+    world.relay.observers.append(stop_after_a_while)
     world.relay.run()
     assert waits[:3] == [0.01, 0.02, 0.04]
     assert waits[-3:] == [1.0, 1.0, 1.0]  # the adaptive poll alone decides
