@@ -1,16 +1,21 @@
 """``outbox handlers <verb>``: the handler outboxes (``emit()`` to ``@receiver``s).
 
-Flags only: the work is in :mod:`celery_outbox.handlers.cli`.
+The flags of each verb, then the work each does (through the handler store and the
+processor of :mod:`celery_outbox.handlers`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict
 from fnmatch import fnmatchcase
 from typing import Any
 
 from django.core.management.base import CommandError
 
+from ..conf import get_settings
 from .options import Streams, add_databases, add_format, add_top, positive
 from .selectors import Selection, add_selectors, is_glob
 
@@ -116,9 +121,7 @@ def add_switch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
 
 def run_processor(options: dict[str, Any], streams: Streams) -> None:
     """Run the handler processor."""
-    from ..handlers import cli
-
-    cli.run_processor(
+    _run_processor(
         selected=options["database"],
         lease_seconds=options["lease_seconds"],
         poll_interval=options["poll_interval"],
@@ -131,23 +134,19 @@ def run_processor(options: dict[str, Any], streams: Streams) -> None:
 
 def run_stats(options: dict[str, Any], streams: Streams) -> None:
     """Print the handler outboxes' backlog."""
-    from ..handlers import cli
-
-    databases = cli.databases(options["database"])
-    cli.stats(databases, options["format"], options["top"], streams.line)
+    databases = _databases(options["database"])
+    _print_stats(databases, options["format"], options["top"], streams.line)
 
 
 def run_replay(options: dict[str, Any], streams: Streams) -> None:
     """Write the selected dead letters back."""
-    from ..handlers import cli
-
     selection = Selection.of(options)
     selection.require("handlers replay", "ids, --name GLOB, --key KEY")
     if len(selection.keys) > 1:
         raise CommandError("handlers replay: give one --key (one shard) at a time")
-    databases = cli.databases(options["database"])
+    databases = _databases(options["database"])
     for category in _categories(selection.name):
-        cli.replay(
+        _replay(
             databases,
             ids=list(selection.numbers("handlers replay")) or None,
             category=category,
@@ -174,8 +173,6 @@ def _categories(name: str | None) -> list[str | None]:
 
 def run_switch(options: dict[str, Any], streams: Streams) -> None:
     """Pause or resume a category or a shard."""
-    from ..handlers import cli
-
     kind, value = (
         ("category", options["name"])
         if options["name"] is not None
@@ -185,11 +182,149 @@ def run_switch(options: dict[str, Any], streams: Streams) -> None:
         raise CommandError(
             f"give a non-empty --{'name' if kind == 'category' else 'key'}"
         )
-    cli.switch(
+    _switch(
         options["verb"],
-        cli.databases(options["database"]),
+        _databases(options["database"]),
         kind=kind,
         value=value,
         reason=options.get("reason", ""),
         write=streams.line,
     )
+
+
+# -- the work ------------------------------------------------------------------
+
+
+def _databases(selected: list[str] | None) -> tuple[str, ...]:
+    """The aliases to act on: ``selected``, else every one the processor serves."""
+    from ..handlers.processor import config_from_settings
+
+    chosen = tuple(selected) if selected else None
+    return config_from_settings(get_settings(), databases=chosen).databases
+
+
+def _run_processor(
+    *,
+    selected: list[str] | None,
+    lease_seconds: float | None,
+    poll_interval: float | None,
+    until_empty: bool,
+    liveness_file: str | None,
+    metrics_port: int | None,
+    write: Callable[[str], None],
+) -> None:
+    """Run the handler processor until it stops (a signal, or empty with ``until_empty``)."""
+    from ..handlers.metrics import processor_observers
+    from ..handlers.processor import Processor, config_from_settings
+
+    config = config_from_settings(
+        get_settings(),
+        databases=tuple(selected) if selected else None,
+        lease_seconds=lease_seconds,
+        poll_interval=poll_interval,
+        until_empty=until_empty or None,
+        liveness_file=liveness_file,
+    )
+    observers = processor_observers(get_settings(), config.databases, metrics_port)
+    try:
+        _run(Processor(config, observers=observers), write)
+    finally:
+        for observer in observers:
+            observer.close()
+
+
+def _run(processor: Any, write: Callable[[str], None]) -> None:
+    from ..engine.loop import stop_on_signals
+
+    with stop_on_signals(processor.stop):
+        reason = processor.run()
+    write(f"handler processor stopped: {reason.value}")
+
+
+def _print_stats(
+    databases: tuple[str, ...], fmt: str, top: int, write: Callable[[str], None]
+) -> None:
+    """Print the backlog of the handler outboxes on ``databases``."""
+    from ..store.handlers.sql import HandlerStore
+
+    reports = [HandlerStore(alias).stats(top) for alias in databases]
+    if fmt == "json":
+        write(json.dumps([asdict(r) for r in reports], indent=2))
+        return
+    for r in reports:
+        write(f"database {r.database}:")
+        write(f"  messages: {r.messages} in {r.shards} shard(s)")
+        write(f"  shards waiting for a processor: {r.waiting}")
+        write(f"  shards held by a processor: {r.leased}")
+        write(f"  blocked shards (head failing): {r.blocked}")
+        for b in r.blocked_shards:
+            error = (b.last_error.strip().splitlines() or [""])[-1][:200]
+            write(
+                f"    {b.shard}: {b.category or '?'} message {b.head_id}, "
+                f"{b.attempts} attempt(s), failing for {_seconds(b.failing_seconds)}, "
+                f"next in {_seconds(b.next_attempt_seconds)}: {error}"
+            )
+        write(f"  paused shards: {r.paused_shards}")
+        write(f"  paused categories: {', '.join(r.paused_categories) or '-'}")
+        write(f"  paused shard keys: {', '.join(r.paused_shard_keys) or '-'}")
+        write(f"  oldest message (a shard's head): {_seconds(r.oldest_age)}")
+        write(f"  processing lag (oldest not blocked or paused): {_seconds(r.lag)}")
+        write(f"  dead letters: {r.dead_letters}")
+        for name, count in sorted(r.coalesced.items()):
+            write(f"  coalesced {name}: {count}")
+        if r.deepest:
+            write("  deepest shards:")
+            for depth in r.deepest:
+                write(f"    {depth.shard}: {depth.messages}")
+
+
+def _replay(
+    databases: tuple[str, ...],
+    *,
+    ids: list[int] | None,
+    category: str | None,
+    shard: str | None,
+    write: Callable[[str], None],
+) -> None:
+    """Write the selected dead letters back at the end of their shards."""
+    from ..handlers.registry import registry
+    from ..store.handlers.sql import HandlerStore
+
+    for alias in databases:
+        report = HandlerStore(alias).replay(
+            ids=ids, category=category, shard=shard, coalesces=registry.coalesces
+        )
+        line = f"{alias}: {report.replayed} dead letter(s) replayed"
+        if report.superseded:
+            line += (
+                f"; {report.superseded} left (a newer message of their object "
+                f"waits in their shard)"
+            )
+        write(line)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _switch(
+    command: str,
+    databases: tuple[str, ...],
+    *,
+    kind: str,
+    value: str,
+    reason: str,
+    write: Callable[[str], None],
+) -> None:
+    """``pause`` or ``resume`` a category or a shard (``kind``) on every database."""
+    from ..store.handlers.sql import HandlerStore
+
+    for alias in databases:
+        store = HandlerStore(alias)
+        if command == "pause":
+            changed = store.pause(kind, value, reason)
+            state = "paused" if changed else "already paused"
+        else:
+            changed = store.resume(kind, value)
+            state = "resumed" if changed else "was not paused"
+        write(f"{kind} {value!r} on {alias}: {state}")

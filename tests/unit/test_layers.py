@@ -76,7 +76,6 @@ PLACES = {
     "celery_outbox.events.commands": "top",
     "celery_outbox.handlers.admin": "top",
     "celery_outbox.handlers.apps": "top",
-    "celery_outbox.handlers.cli": "top",
     "celery_outbox.history_admin": "top",
     "celery_outbox.inbox.apps": "top",
     "celery_outbox.inbox.checks": "top",
