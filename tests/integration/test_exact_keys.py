@@ -56,6 +56,13 @@ BEFORE = {
     "celery_outbox_inbox": "0001",
     "celery_outbox_handlers": "0001",
 }
+#: Each app's exact-key migration: what comes after it (indexes of its own) is
+#: undone before the round trip, so that the trip compares like with like.
+EXACT = {
+    "celery_outbox": "0008",
+    "celery_outbox_inbox": "0002",
+    "celery_outbox_handlers": "0002",
+}
 MYSQL = [alias for alias in connections if connections[alias].vendor == "mysql"]
 
 
@@ -116,6 +123,8 @@ def test_the_migrations_make_every_key_column_binary_and_go_back(
     migrated_back_at_the_end: str,
 ) -> None:
     alias = migrated_back_at_the_end
+    for app, at in EXACT.items():
+        call_command("migrate", app, at, database=alias, verbosity=0)
     exact = collations(alias)
     # NO PAD: MariaDB's utf8mb4_bin still takes "k1" and "k1 " for one value.
     assert set(exact.values()) == {"utf8mb4_nopad_bin"}, exact
@@ -125,8 +134,8 @@ def test_the_migrations_make_every_key_column_binary_and_go_back(
     folded = collations(alias)
     assert "utf8mb4_nopad_bin" not in set(folded.values()), folded
     assert constraints(alias) == shape
-    for app in KEY_COLUMNS:
-        call_command("migrate", app, database=alias, verbosity=0)
+    for app, at in EXACT.items():
+        call_command("migrate", app, at, database=alias, verbosity=0)
     assert collations(alias) == exact
     assert constraints(alias) == shape
 
