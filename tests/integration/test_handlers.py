@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import uuid
@@ -60,7 +61,12 @@ def categories() -> Registry:
     return Registry()
 
 
-def processor(alias: str, categories: Registry, **config: Any) -> Processor:
+def processor(
+    alias: str,
+    categories: Registry,
+    random_source: Callable[[], float] = random.random,
+    **config: Any,
+) -> Processor:
     options: dict[str, Any] = {
         "databases": (alias,),
         "lease_seconds": 10.0,
@@ -69,7 +75,9 @@ def processor(alias: str, categories: Registry, **config: Any) -> Processor:
         "until_empty": True,
     }
     options.update(config)
-    return Processor(ProcessorConfig(**options), categories)
+    return Processor(
+        ProcessorConfig(**options), categories, random_source=random_source
+    )
 
 
 def recorder(calls: Calls, sleep: float = 0.0) -> Callable[..., None]:
@@ -182,7 +190,9 @@ def test_a_failing_head_backs_off_forever_and_blocks_its_shard_only(
         emit(name, shard="a", object_id="bad", using=alias)
         emit(name, shard="a", object_id="after", payload="a2", using=alias)
         emit(name, shard="b", object_id="ok", payload="b1", using=alias)
-    run = processor(alias, categories, retry_base_seconds=0.2)
+    # Jitter in the middle of its range: the wait checked below is then well inside
+    # its bounds, whatever time passes before it is read.
+    run = processor(alias, categories, lambda: 0.5, retry_base_seconds=0.2)
     deadline = time.monotonic() + 20
     while len(attempts) < 4 and time.monotonic() < deadline:
         run.run()
