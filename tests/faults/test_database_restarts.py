@@ -51,7 +51,7 @@ RECOVERY_LIMIT = 5.0
 DRAIN_LIMIT = 60.0
 #: How long the database stays down.
 OUTAGE_SECONDS = 3.0
-TASKS = 4000
+TASKS = 6000
 MESSAGES = 1000
 SHARDS = 6
 DEFAULTS = ("--poll-interval", "1")
@@ -253,10 +253,11 @@ def test_relay_and_handler_processor_ride_through_a_database_restart(
     # The shipped poll intervals (the test settings shorten them). The restart comes
     # as soon as both processes have done some of their work, so that both still
     # have most of it left, however long each takes to start.
-    # A claim the restart cuts off before its commit is acknowledged stays leased to
-    # the relay until the lease ends: 20 s, so that the table empties well within
-    # DRAIN_LIMIT even then.
-    stack.start_relay("--batch-size", "10", *DEFAULTS, "--lease-seconds", "20")
+    # One row per batch: the relay, far quicker than the processor, still has most
+    # of its rows when the slower of the two is under way. A claim the restart cuts
+    # off before its commit is acknowledged stays leased until the lease ends: 20 s,
+    # so that the table empties well within DRAIN_LIMIT even then.
+    stack.start_relay("--batch-size", "1", *DEFAULTS, "--lease-seconds", "20")
     stack.start_handlers("--database", "default", *DEFAULTS, "--lease-seconds", "30")
     wait_until(
         lambda: (
