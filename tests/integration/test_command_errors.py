@@ -27,10 +27,20 @@ ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.project.celery_app.app"
 
 
+@pytest.fixture(autouse=True)
+def _test_databases(django_db_setup: None) -> None:
+    """This run's test databases exist: :func:`manage` points MySQL's alias at one."""
+
+
 def manage(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
     """``django-admin <args>`` on the test project, with ``environ`` added."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.project.settings", **environ}
     env["PYTHONPATH"] = str(ROOT)
+    # Django 6.1 runs a command's model checks on every database, and MySQL's
+    # connect to theirs: the process's MySQL alias names this run's test one.
+    for connection in connections.all():
+        if connection.vendor == "mysql":
+            env.setdefault("OUTBOX_MYSQL_NAME", str(connection.settings_dict["NAME"]))
     return subprocess.run(
         [sys.executable, "-m", "django", *args],
         cwd=ROOT,
