@@ -99,7 +99,18 @@ def fill(registry: Any) -> None:
     relay.run_once()
 
     def stats(alias: str) -> HandlerStats:
-        return HandlerStats(alias, 1, 1, 0, 0, (), (), 2.0, 2.0, 0)
+        return HandlerStats(
+            database=alias,
+            messages=1,
+            shards=1,
+            blocked=0,
+            paused_shards=0,
+            paused_categories=(),
+            paused_shard_keys=(),
+            oldest_age=2.0,
+            lag=2.0,
+            dead_letters=0,
+        )
 
     handlers = HandlerMetrics(sink, ["default"], stats=stats)
     handlers(MessageHandled("default", "s", "c", Action.DELETE, 1, 0.1, 1.0))
