@@ -18,9 +18,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -215,13 +216,28 @@ def _redis_ready(port: int, tls: Certificates | None) -> Callable[[], bool]:
 
 
 @contextlib.contextmanager
-def redis_server(folder: Path, *, tls: Certificates | None = None) -> Iterator[Redis]:
-    """A redis-server without persistence; TLS only (no plain port) with ``tls``."""
+def redis_server(
+    folder: Path,
+    *,
+    tls: Certificates | None = None,
+    replica_of: Redis | None = None,
+    options: Sequence[str] = (),
+) -> Iterator[Redis]:
+    """A redis-server without persistence; TLS only (no plain port) with ``tls``; a
+    replica of ``replica_of`` (ready once its link to it is up); more ``options``
+    (``--name value``) as given."""
     binary = program("redis-server", "/usr/bin/redis-server")
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     args = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    args += ["--dir", str(folder)]
+    # No wait for replicas: to catch up on SIGTERM (up to 10 s on Redis 7), nor for
+    # more of them to come before a full sync starts (5 s).
+    args += ["--shutdown-on-sigterm", "now", "--repl-diskless-sync-delay", "0"]
+    args += ["--dir", str(folder), *options]
+    ready = _redis_ready(port, tls)
+    if replica_of is not None:
+        args += ["--replicaof", "127.0.0.1", str(replica_of.port)]
+        ready = _replica_ready(port)
     if tls is None:
         args += ["--port", str(port)]
     else:
@@ -231,10 +247,25 @@ def redis_server(folder: Path, *, tls: Certificates | None = None) -> Iterator[R
     began = time.monotonic()
     process = spawn("redis", args, folder)
     try:
-        process.wait_until(_redis_ready(port, tls), began)
+        process.wait_until(ready, began)
         yield Redis(port, process, tls)
     finally:
         process.stop()
+
+
+def _replica_ready(port: int) -> Callable[[], bool]:
+    import redis
+
+    def ready() -> bool:
+        client = redis.Redis(port=port, socket_timeout=1)
+        try:
+            return client.info("replication").get("master_link_status") == "up"
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            client.close()
+
+    return ready
 
 
 @dataclass
@@ -249,10 +280,56 @@ class Sentinel:
     def url(self) -> str:
         return f"sentinel://127.0.0.1:{self.port}"
 
+    def _client(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def primary_port(self) -> int:
+        """The port of the primary Sentinel names now."""
+        with self._client() as client:
+            return int(client.sentinel_get_master_addr_by_name(self.master_name)[1])
+
+    def fail_over_to(self, replica: Redis) -> float:
+        """``SENTINEL FAILOVER`` once Sentinel can promote ``replica``; the seconds
+        until Sentinel names it the primary."""
+        deadline = time.monotonic() + START_TIMEOUT
+
+        def promotable() -> bool:
+            # Known, linked, and recently heard of: Sentinel refuses a failover to
+            # a replica it has no fresh INFO from ("NOGOODSLAVE").
+            with self._client() as client:
+                known = client.sentinel_slaves(self.master_name)
+            return any(
+                int(entry["port"]) == replica.port
+                and entry.get("master-link-status") == "ok"
+                and int(entry.get("info-refresh", 10**9)) < 5000
+                for entry in known
+            )
+
+        while not promotable():
+            if time.monotonic() > deadline:
+                pytest.fail("Sentinel never found the replica")
+            time.sleep(0.05)
+        began = time.monotonic()
+        with self._client() as client:
+            client.execute_command("SENTINEL", "FAILOVER", self.master_name)
+        while self.primary_port() != replica.port:
+            if time.monotonic() > deadline:
+                pytest.fail("Sentinel did not promote the replica")
+            time.sleep(0.05)
+        return time.monotonic() - began
+
 
 @contextlib.contextmanager
-def redis_sentinel(folder: Path, master: Redis, master_name: str) -> Iterator[Sentinel]:
-    """``redis-server --sentinel`` (Debian's redis-server 7 has the mode) on ``master``."""
+def redis_sentinel(
+    folder: Path, master: Redis, master_name: str, replicas: Sequence[Redis] = ()
+) -> Iterator[Sentinel]:
+    """``redis-server --sentinel`` (Debian's redis-server 7 has the mode) on ``master``.
+
+    ``replicas`` are named in its file: it asks them at once instead of waiting for
+    the master's next report (every 10 s).
+    """
     import redis
 
     binary = program("redis-server", "/usr/bin/redis-server")
@@ -263,6 +340,10 @@ def redis_sentinel(folder: Path, master: Redis, master_name: str) -> Iterator[Se
         f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
         f"sentinel monitor {master_name} 127.0.0.1 {master.port} 1\n"
         f"sentinel down-after-milliseconds {master_name} 60000\n"
+        + "".join(
+            f"sentinel known-replica {master_name} 127.0.0.1 {replica.port}\n"
+            for replica in replicas
+        )
     )
 
     def ready() -> bool:

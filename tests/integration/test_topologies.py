@@ -11,6 +11,7 @@ verify is an outage: the rows wait, no attempt is used.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import Counter
@@ -198,6 +199,81 @@ def test_redis_behind_sentinel(sentinel: topologies.Sentinel, queue: str) -> Non
         broker_transport_options={"master_name": sentinel.master_name},
     )
     deliver_through(app, queue)
+
+
+def test_a_sentinel_failover_loses_nothing(
+    tmp_path: Path, queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The primary refuses writes without a replica (min-replicas-to-write, as Redis
+    # advises behind Sentinel): once its replica is promoted, the relay still
+    # connected to it is refused instead of writing where no consumer reads, and
+    # reconnects to the primary Sentinel names.
+    with (
+        topologies.redis_server(
+            tmp_path / "a", options=["--min-replicas-to-write", "1"]
+        ) as primary,
+        topologies.redis_server(tmp_path / "b", replica_of=primary) as replica,
+        topologies.redis_sentinel(
+            tmp_path / "s", primary, "outbox-failover", [replica]
+        ) as found,
+    ):
+        app = broker_app(
+            found.url,
+            queue,
+            broker_transport_options={"master_name": found.master_name},
+        )
+        settings = get_settings()
+        running = build_relay(
+            settings,
+            publisher=build_publisher(app, settings),
+            broker_outage_cooldown=0.1,
+        )
+        try:
+            sent = enqueue(app, TASKS // 2)
+            drain(running)
+            wait_for_replication(primary, replica, queue, len(sent))
+            promoted_in = found.fail_over_to(replica)
+            with caplog.at_level(logging.WARNING, logger="celery_outbox.relay"):
+                later = enqueue(app, TASKS // 2)
+                drain(running)
+        finally:
+            running.publisher.close()
+        got = receive(app, queue, len(sent) + len(later))
+    assert got == Counter({**sent, **later}.items())
+    assert DeadLetter.objects.count() == 0
+    lines = [r.getMessage() for r in caplog.records]
+    met = [
+        x
+        for x in lines
+        if x.startswith("broker outage")
+        and "fewer replicas than its min-replicas-to-write" in x
+    ]
+    # The relay met the old primary once, used no attempt on it, and reconnected
+    # to the primary Sentinel names.
+    assert len(met) == 1, lines
+    assert not any("refused by the broker" in x for x in lines), lines
+    print(f"Sentinel promoted the replica in {promoted_in:.2f} s")
+
+
+def drain(running: Any, timeout: float = 30.0) -> None:
+    """Turn the relay until the outbox is empty (outages put rows back meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while OutboxMessage.objects.exists():
+        assert time.monotonic() < deadline, "the outbox did not empty"
+        if running.run_once() is Cycle.PAUSED:
+            time.sleep(0.05)
+
+
+def wait_for_replication(
+    primary: topologies.Redis, replica: topologies.Redis, queue: str, count: int
+) -> None:
+    import redis
+
+    with redis.Redis(port=replica.port) as client:
+        deadline = time.monotonic() + 10
+        while client.llen(queue) < count:
+            assert time.monotonic() < deadline, "the replica did not catch up"
+            time.sleep(0.02)
 
 
 # -- Redis over TLS -------------------------------------------------------------------
