@@ -45,11 +45,12 @@ check: lint
 	$(STAGE) "check: tests without servers" -- env OUTBOX_TEST_SERVERS=none $(BIN)/pytest -q
 	$(STAGE) "check: package" -- $(BIN)/python scripts/check_package.py
 
-# Everything: the fast check, then the support matrix; then the table of where the
-# time went (each stage, beside its recorded figure, and the ten slowest tests).
+# Everything: the Debian programs (the fast check runs promtool on deploy/; in CI a
+# missing one fails the test), the fast check, then the support matrix; then the table
+# of where the time went (each stage beside its recorded figure, the slowest tests).
 test:
 	@$(PYTHON) scripts/stages.py clear
-	@status=0; $(MAKE) --no-print-directory check matrix || status=1; \
+	@status=0; $(MAKE) --no-print-directory tools check matrix || status=1; \
 	$(PYTHON) scripts/stages.py report; exit $$status
 
 # The support matrix (noxfile.py): the whole suite on the newest versions, alone, then
