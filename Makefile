@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STAGE := $(PYTHON) scripts/stages.py run
 export OUTBOX_STAGES ?= $(CURDIR)/build/stages
 
-.PHONY: demo check test matrix lint bench services tools clean matrix-1 matrix-2
+.PHONY: demo check test matrix lint bench services tools clean
 
 $(STAMP): pyproject.toml
 	$(STAGE) "venv" -- sh -c "$(PYTHON) -m venv $(VENV) && \
@@ -53,19 +53,13 @@ test:
 	@status=0; $(MAKE) --no-print-directory tools check matrix || status=1; \
 	$(PYTHON) scripts/stages.py report; exit $$status
 
-# The support matrix (noxfile.py): the whole suite on the newest versions, alone, then
-# the contract tests of every other pair in two parallel streams; every session runs
-# even when an earlier one failed, and any failure fails the target. Lint, types and
-# the package are `check`'s, not repeated here.
+# The support matrix (noxfile.py, run by scripts/matrix.py): the whole suite on the
+# newest versions (on pytest-xdist) and the contract tests of every other pair, sharing
+# a pool of slots; then the serial tests (they stop RabbitMQ and the databases) alone.
+# Every session runs even when an earlier one failed; any failure fails the target.
+# Lint, types and the package are `check`'s, not repeated here.
 matrix: $(STAMP) services tools
-	status=0; \
-	$(BIN)/nox -t newest || status=1; \
-	$(MAKE) --no-print-directory -k -j2 --output-sync matrix-1 matrix-2 || status=1; \
-	exit $$status
-
-# Explicit targets: make skips pattern rules for phony targets.
-matrix-1 matrix-2: $(STAMP)
-	$(BIN)/nox -t stream-$(subst matrix-,,$@)
+	$(BIN)/python scripts/matrix.py
 
 bench: $(STAMP) services
 	$(BIN)/python -m bench
