@@ -94,7 +94,9 @@ def main(argv: Sequence[str]) -> int:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         statuses = list(pool.map(lambda s: run_session(args.nox, s), pooled))
     statuses += [run_session(args.nox, s) for s in alone]
-    failed = [s for s, status in zip(pooled + alone, statuses) if status != 0]
+    failed = [
+        s for s, status in zip(pooled + alone, statuses, strict=True) if status != 0
+    ]
     if failed:
         print("matrix: failed: " + "; ".join(failed), file=sys.stderr)
     return 1 if failed else 0
