@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -73,11 +74,19 @@ def limit_for(name: str, figures: dict[str, float] | None = None) -> float | Non
     return figure * LIMIT_FACTOR + LIMIT_SLACK
 
 
-def write(name: str, seconds: float, status: int, started: float) -> None:
-    """Record one stage of this run."""
+def write(
+    name: str, seconds: float, status: int, started: float, cpu: float | None = None
+) -> None:
+    """Record one stage of this run (``cpu``: the processor seconds its processes used)."""
     folder = stages_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"name": name, "seconds": seconds, "status": status, "started": started}
+    record = {
+        "name": name,
+        "seconds": seconds,
+        "status": status,
+        "started": started,
+        "cpu": cpu,
+    }
     (folder / file_name(name)).write_text(json.dumps(record))
 
 
@@ -86,6 +95,7 @@ def run(name: str, command: Sequence[str]) -> int:
     limit = limit_for(name)
     started = time.time()
     clock = time.monotonic()
+    used = _children_cpu()
     env = dict(os.environ, OUTBOX_STAGE=name)
     # A process group of its own: a hung stage is stopped with all it started.
     child = subprocess.Popen(list(command), env=env, start_new_session=True)
@@ -112,8 +122,18 @@ def run(name: str, command: Sequence[str]) -> int:
             flush=True,
         )
         return 1
-    write(name, time.monotonic() - clock, status, started)
+    write(name, time.monotonic() - clock, status, started, _children_cpu() - used)
     return status
+
+
+def _children_cpu() -> float:
+    """Processor seconds (user and system) of the waited-for descendants so far.
+
+    The stage's command, the relays and workers its tests started and stopped: not
+    the database and broker servers, whose share is the wall time's to show.
+    """
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _signal_group(pid: int, signum: int) -> None:
@@ -155,7 +175,7 @@ def report() -> str:
         into = counts.setdefault(summary["stage"], {})
         for outcome, n in summary["tests"].items():
             into[outcome] = into.get(outcome, 0) + n
-    rows = [("stage", "wall", "recorded", "tests", "status")]
+    rows = [("stage", "wall", "cpu", "recorded", "tests", "status")]
     for stage in stages:
         figure = figures.get(stage["name"])
         summary = counts.get(stage["name"])
@@ -163,6 +183,7 @@ def report() -> str:
             (
                 stage["name"],
                 _clock(stage["seconds"]),
+                _clock(stage["cpu"]) if stage.get("cpu") is not None else "-",
                 _clock(figure) if figure is not None else "-",
                 _tests_cell(summary),
                 "ok" if stage["status"] == 0 else f"exit {stage['status']}",
@@ -182,9 +203,11 @@ def report() -> str:
         first = min(s["started"] for s in stages)
         last = max(s["started"] + s["seconds"] for s in stages)
         busy = sum(s["seconds"] for s in stages)
+        cpu = sum(s.get("cpu") or 0.0 for s in stages)
         lines.append(
             f"total: {_clock(last - first)} from the first stage's start to the last "
-            f"one's end ({_clock(busy)} of stage time: streams overlap)"
+            f"one's end ({_clock(busy)} of stage time, as sessions overlap; "
+            f"{_clock(cpu)} of processor time, servers not counted)"
         )
     slow = sorted(
         ((t, row) for t in tests for row in t.get("slowest", [])),
