@@ -207,8 +207,9 @@ class CapturingProducer:
     ) -> None:
         """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused.
 
-        ``zone`` is the app's timezone, in which a naive ``eta`` is read (as the worker
-        reads it) to tell whether the task is scheduled (:mod:`.scheduling`).
+        ``zone`` is the app's timezone, which the ``eta`` header is read with, as the
+        worker reads it (a naive ``eta`` is UTC), to tell whether the task is
+        scheduled (:mod:`.scheduling`).
         ``autocommit`` tells a buffered producer whether its writes commit at once
         (the outbox alias is not inside ``atomic()``): it then writes a group's first
         member at once, as Celery would publish it, and later ones when the builder
