@@ -12,6 +12,7 @@ falls due. These functions decide it from the message's headers, as plain values
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import datetime, timezone, tzinfo
 from typing import Any
 
@@ -73,7 +74,12 @@ def schedule(
             f"{EXPIRED_BEFORE_DUE}: the task expires at {expires.isoformat()}, before "
             f"its ETA {eta.isoformat()}, so no worker would run it"
         )
-    return dataclasses.replace(envelope, due_in=due_in, dead_reason=reason)
+    return dataclasses.replace(
+        envelope,
+        due_in=due_in,
+        due_in_measured_at=time.monotonic(),
+        dead_reason=reason,
+    )
 
 
 def far_eta(

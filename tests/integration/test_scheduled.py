@@ -126,6 +126,57 @@ def test_a_scheduled_row_is_claimed_once_due_and_its_age_counts_from_its_eta(
     assert message.age_seconds is not None and message.age_seconds < 1.0
 
 
+#: How long the tests of a long transaction keep it open, before and after the call.
+HELD_OPEN = 1.5
+
+
+def begin(alias: str) -> None:
+    """Start the transaction now (PostgreSQL's now() is its start from here on)."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT 1", [])
+        cursor.fetchall()
+
+
+def test_a_row_written_late_in_a_long_transaction_is_due_at_its_eta(
+    on_alias: str,
+) -> None:
+    """Due at the ETA the worker reads, not earlier by the transaction's age.
+
+    On PostgreSQL the row is written at the call, 1.5 s into the transaction; through
+    the write-on-commit engine at the COMMIT, 1.5 s after the call.
+    """
+    with transaction.atomic(using=on_alias):
+        begin(on_alias)
+        time.sleep(HELD_OPEN)
+        result = record.apply_async(("late",), countdown=HOUR)
+        time.sleep(HELD_OPEN)
+    (row,) = rows(on_alias)
+    assert row.task_id == result.id and row.due_at == row.available_at
+    eta = datetime.fromisoformat(json.loads(row.headers)["eta"])
+    worker_wait = (eta - datetime.now(timezone.utc)).total_seconds()
+    assert row.due_at is not None
+    assert seconds_from_now(on_alias, row.due_at) == pytest.approx(worker_wait, abs=0.5)
+
+
+def test_a_dedup_window_counts_from_the_call_in_a_long_transaction(
+    on_alias: str,
+) -> None:
+    """The same class: a key's window is a due time written in the caller's transaction."""
+    key = f"window-{time.monotonic_ns()}"
+    with transaction.atomic(using=on_alias):
+        begin(on_alias)
+        time.sleep(HELD_OPEN)
+        record.apply_async(("held",), dedup_key=key, dedup_window=HOUR)
+    with connections[on_alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT held_until FROM celery_outbox_dedup_key WHERE dedup_key = %s", [key]
+        )
+        (held_until,) = cursor.fetchone()
+    if isinstance(held_until, str):  # SQLite
+        held_until = datetime.fromisoformat(held_until)
+    assert seconds_from_now(on_alias, held_until) == pytest.approx(HOUR, abs=0.5)
+
+
 def test_a_task_that_expires_before_its_eta_is_a_dead_letter(on_alias: str) -> None:
     with transaction.atomic(using=on_alias):
         doomed = record.apply_async(("doomed",), countdown=HOUR, expires=60)
