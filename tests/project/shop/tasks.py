@@ -42,6 +42,14 @@ def collect(self: Any, results: list[Any], tag: str) -> int:
     return len(results)
 
 
+@shared_task(bind=True, name="shop.errback")
+def errback(self: Any, task_id: str) -> str:
+    """An errback of the old style (it takes the failed task's id): every Celery
+    sends it as a task. Records ``errback:<failed task id>``."""
+    _record(self, f"errback:{task_id}")
+    return task_id
+
+
 @shared_task(bind=True, name="shop.flaky", max_retries=3)
 def flaky(self: Any, tag: str) -> str:
     _record(self, f"{tag}-attempt-{self.request.retries}")
