@@ -24,6 +24,7 @@ from .enqueue import (
     is_excluded,
     outbox_alias,
 )
+from .envelope import Envelope
 from .exceptions import OutboxConfigurationError
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
@@ -52,7 +53,9 @@ class OutboxCelery(Celery):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._outbox_enqueuer = Enqueuer(on_commit=self._publish_after_commit)
+        self._outbox_enqueuer = Enqueuer(
+            on_commit=self._publish_after_commit, on_expired=self._announce_expired
+        )
         # A kombu Connection object per call cost a third of an enqueue: the unbuffered
         # capture producer holds no per-call state, so each thread keeps one.
         self._outbox_local = threading.local()
@@ -159,6 +162,13 @@ class OutboxCelery(Celery):
 
             self._outbox_commit_publisher = CommitPublisher(self)
         self._outbox_commit_publisher.schedule(alias, task_ids)
+
+    def _announce_expired(self, envelopes: Sequence[Envelope]) -> None:
+        """Scheduled tasks that expire before their ETA went to the dead letters: the
+        result backend says what a worker that received them would (revoked, expired)."""
+        from .revoke import EXPIRED_REASON, announce
+
+        announce(self, envelopes, reason=EXPIRED_REASON)
 
     def _thread_producer(self, *, guarded: bool = True) -> CapturingProducer:
         attribute = "producer" if guarded else "unguarded_producer"

@@ -45,8 +45,9 @@ from .store import outbox_alias, outbox_stores
 
 logger = logging.getLogger("celery_outbox")
 
-#: The reason Celery's worker stores with a task it revoked.
+#: The reasons Celery's worker stores with a task it revoked, or dropped as expired.
 REVOKED_REASON = "revoked"
+EXPIRED_REASON = "expired"
 
 
 class RevokingNode(Node):
@@ -124,33 +125,35 @@ def withdraw(
     return ids
 
 
-def announce(app: Celery, messages: Sequence[Envelope]) -> None:
+def announce(
+    app: Celery, messages: Sequence[Envelope], reason: str = REVOKED_REASON
+) -> None:
     """Leave the result backend as a worker that revoked these messages would.
 
     Celery's worker stores ``REVOKED`` with the message's request and, for a chord
     member, returns its part of the chord (``mark_as_revoked``): the chord then
-    fails and runs its errbacks. Tasks the backend sends meanwhile (errbacks) are
-    written to the outbox together. A failure is logged, never raised: the rows
-    are already gone.
+    fails and runs its errbacks. ``reason`` is the worker's: ``revoked``, or
+    ``expired`` for a message that expired before it could run (a scheduled task
+    that expires before its ETA, which goes to the dead letters). Tasks the backend
+    sends meanwhile (errbacks) are written to the outbox together. A failure is
+    logged, never raised: the rows are already gone.
     """
     alias = outbox_alias(get_settings())
     for message in {m.task_id: m for m in messages}.values():
         try:
             with transaction.atomic(using=alias):
-                _mark_revoked(app, message)
+                _mark_revoked(app, message, reason)
         except Exception:
             logger.exception(
-                "task %s [%s] was revoked before publish (its outbox row deleted), but "
-                "its result could not be stored as REVOKED: a group or chord waiting "
-                "for it does not finish. Store it by hand: app.AsyncResult(%r).backend"
-                ".mark_as_revoked(...)",
+                "task %s [%s] was never published (%s), but its result could not be "
+                "stored as REVOKED: a group or chord waiting for it does not finish",
                 message.task_name,
                 message.task_id,
-                message.task_id,
+                reason,
             )
 
 
-def _mark_revoked(app: Celery, message: Envelope) -> None:
+def _mark_revoked(app: Celery, message: Envelope, reason: str) -> None:
     """What Celery's worker does for a revoked message (``Request._announce_revoked``)."""
     task = app.tasks.get(message.task_name)
     headers = dict(message.headers)
@@ -163,7 +166,7 @@ def _mark_revoked(app: Celery, message: Envelope) -> None:
     backend = task.backend if task is not None else app.backend
     backend.mark_as_revoked(
         message.task_id,
-        REVOKED_REASON,
+        reason,
         request=worker_request(app, message),
         store_result=store_errors,
     )
@@ -200,8 +203,8 @@ def worker_request(app: Celery, message: Envelope) -> Context:
         )
     except Exception as exc:
         logger.warning(
-            "task %s [%s] revoked before publish: its body cannot be read (%s), so a "
-            "chord it belongs to is not told",
+            "task %s [%s] was never published, and its body cannot be read (%s): "
+            "a chord it belongs to is not told",
             message.task_name,
             message.task_id,
             exc,

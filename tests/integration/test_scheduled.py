@@ -14,13 +14,16 @@ from datetime import datetime, timedelta, timezone
 from io import StringIO
 
 import pytest
+from celery import chord
 from django.core.management import call_command
 from django.db import connections, transaction
 from django.test import override_settings
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.store import Stores
-from tests.project.shop.tasks import record
+from celery_outbox.testing import OutboxFixture
+from tests.project.celery_app import app
+from tests.project.shop.tasks import collect, errback, record
 
 from .builders import envelope
 
@@ -190,9 +193,31 @@ def test_a_task_that_expires_before_its_eta_is_a_dead_letter(on_alias: str) -> N
 
 def test_an_expired_task_rolls_back_with_the_transaction(on_alias: str) -> None:
     with pytest.raises(RuntimeError), transaction.atomic(using=on_alias):
-        record.apply_async(("doomed",), countdown=HOUR, expires=60)
+        doomed = record.apply_async(("doomed",), countdown=HOUR, expires=60)
         raise RuntimeError("rollback")
     assert not DeadLetter.objects.using(on_alias).exists()
+    assert app.AsyncResult(doomed.id).state == "PENDING"
+
+
+def test_a_chord_whose_header_expires_before_its_eta_fails_as_with_celery(
+    on_alias: str,
+) -> None:
+    """A worker that received these would revoke them as expired, store REVOKED and
+    return their part of the chord: so does their dead letter, once it commits."""
+    tag = f"expired-{time.monotonic_ns()}"
+    doomed = {"countdown": HOUR, "expires": 60}
+    with transaction.atomic(using=on_alias):
+        body = chord(
+            [record.s(f"{tag}-a").set(**doomed), record.s(f"{tag}-b").set(**doomed)],
+            collect.s(tag).on_error(errback.s()),
+        ).apply_async()
+        assert app.AsyncResult(body.id).state == "PENDING"
+    members = [app.AsyncResult(member.id) for member in body.parent.results]
+    assert [member.state for member in members] == ["REVOKED", "REVOKED"]
+    assert str(members[0].result) == "expired"
+    assert app.AsyncResult(body.id).state == "FAILURE"
+    sent = OutboxFixture(alias=on_alias).filter(errback)
+    assert [message.args for message in sent] == [(body.id,)]
 
 
 def test_stats_tell_scheduled_rows_apart_and_leave_them_out_of_the_oldest_age(
