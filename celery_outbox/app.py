@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from celery import Celery
-from django.db import connections
+from celery.utils import uuid
+from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
 from .conf import OutboxSettings, get_settings
@@ -25,12 +27,14 @@ from .enqueue import (
     outbox_alias,
 )
 from .envelope import Envelope
-from .exceptions import OutboxConfigurationError
+from .exceptions import OutboxConfigurationError, OutboxDatabaseError
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
 from .text import check_text
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
+
+logger = logging.getLogger("celery_outbox")
 
 
 class OutboxCelery(Celery):
@@ -73,8 +77,25 @@ class OutboxCelery(Celery):
             if self._schedules(name, options, settings):
                 # Celery would publish it at once, to wait in a worker: it waits in
                 # the outbox instead, written on its own (no transaction to join).
-                options["producer"] = self._thread_producer(guarded=False)
-                return super().send_task(name, *args, **options)
+                options["task_id"] = options.get("task_id") or uuid()
+                try:
+                    return super().send_task(
+                        name,
+                        *args,
+                        **{**options, "producer": self._thread_producer(guarded=False)},
+                    )
+                except (DatabaseError, OutboxDatabaseError) as exc:
+                    # Celery needs only the broker: a worker's retry must not be
+                    # lost (Task.retry rejects the message when the send fails).
+                    logger.warning(
+                        "the outbox database failed (%s: %s): task %s [%s], due "
+                        "later, goes to the broker at once, as Celery sends it, "
+                        "and waits in a worker until its ETA",
+                        type(exc).__name__,
+                        exc,
+                        name,
+                        options["task_id"],
+                    )
             if given is None or isinstance(given, CapturingProducer):
                 # Our producer_or_acquire buffers into the outbox: take a real one.
                 with super().producer_or_acquire(None) as producer:

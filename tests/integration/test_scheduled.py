@@ -8,16 +8,22 @@ operator views tell it apart, and a task that expires before its ETA is a dead l
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from celery import chord
 from django.core.management import call_command
 from django.db import connections, transaction
 from django.test import override_settings
+from kombu import Connection, Queue
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.store import Stores
@@ -25,11 +31,13 @@ from celery_outbox.testing import OutboxFixture
 from tests.project.celery_app import app
 from tests.project.shop.tasks import collect, errback, record
 
+from ..conftest import BROKER_AMQP
 from .builders import envelope
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 HOUR = 3600.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -354,3 +362,55 @@ def _nodes(node: dict[str, object]) -> Iterator[dict[str, object]]:
     yield node
     for child in node.get("Plans", []):  # type: ignore[union-attr]
         yield from _nodes(child)  # type: ignore[arg-type]
+
+
+SEND_LATER_FROM_A_WORKER = """
+import sys
+import django
+
+django.setup()
+from tests.project.shop.tasks import send_later
+
+# Run as a worker runs it (apply() traces it as Celery's worker does).
+result = send_later.apply(args=(sys.argv[1], 3600.0, sys.argv[2]))
+print(result.state, result.result)
+"""
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_with_the_outbox_database_down_a_workers_far_eta_goes_to_the_broker() -> None:
+    """Celery needs only the broker to send a worker's retry or delayed call: with the
+    outbox database down it is sent as Celery sends it, not lost (``Task.retry``
+    rejects the message when the send fails)."""
+    queue = f"later-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.project.settings",
+        "PYTHONPATH": str(ROOT),
+        # The outbox's database (PostgreSQL) at a port nothing listens on.
+        "OUTBOX_TEST_DB": "postgresql",
+        "OUTBOX_PG_PORT": "1",
+        "OUTBOX_TEST_BROKER": BROKER_AMQP,
+    }
+    env.pop("OUTBOX_TEST_DB_NAME", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SEND_LATER_FROM_A_WORKER, "later", queue],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.stdout.startswith("SUCCESS "), done.stdout + done.stderr
+        child = done.stdout.split()[1]
+        assert "the outbox database failed" in done.stderr
+        with Connection(BROKER_AMQP, connect_timeout=5) as conn:
+            message = Queue(queue)(conn.default_channel).get(no_ack=True)
+    finally:
+        with Connection(BROKER_AMQP, connect_timeout=5) as conn:
+            Queue(queue)(conn.default_channel).delete()
+    assert message is not None, "nothing reached the broker"
+    assert message.headers["id"] == child
+    eta = datetime.fromisoformat(message.headers["eta"])
+    assert HOUR - 60 < (eta - datetime.now(timezone.utc)).total_seconds() <= HOUR

@@ -76,6 +76,13 @@ def retry_later(self: Any, tag: str, countdown: float) -> str:
     return tag
 
 
+@shared_task(bind=True, name="shop.send_later")
+def send_later(self: Any, tag: str, countdown: float, queue: str) -> str:
+    """From a worker, outside a transaction: ``shop.record(tag)`` due in ``countdown``
+    seconds, to ``queue``; returns its task id. Touches no database itself."""
+    return str(record.apply_async((tag,), countdown=countdown, queue=queue).id)
+
+
 @shared_task(bind=True, name="shop.spawn")
 def spawn(self: Any, tag: str) -> str:
     """Enqueue a follow-up from inside the worker, outside any transaction."""
