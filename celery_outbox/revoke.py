@@ -22,6 +22,7 @@ part returned, so the chord fails and runs its errbacks as with Celery.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -86,15 +87,24 @@ class OutboxControl(Control):
     def revoke(self, task_id: str | Sequence[str], *args: Any, **kwargs: Any) -> Any:
         """Broadcast Celery's revoke (same arguments), then delete the tasks' rows.
 
-        The broadcast goes first: stopping a running task (``terminate=True``) needs
-        only the broker, as with Celery, even while the outbox database is down.
+        Each part is done whatever becomes of the other. The broadcast goes first:
+        stopping a running task (``terminate=True``) needs only the broker, as with
+        Celery, even while the outbox database is down. With the broker down, the
+        rows still go (no relay can publish them meanwhile anyway), and Celery's
+        error is raised, as with Celery.
         """
-        reply = super().revoke(task_id, *args, **kwargs)
+        ids = [task_id] if isinstance(task_id, str) else list(task_id)
+        try:
+            reply = super().revoke(task_id, *args, **kwargs)
+        except Exception:
+            if apps.ready:
+                with contextlib.suppress(Exception):  # the broker's error says enough
+                    withdraw(self.app, ids)
+            raise
         if not apps.ready:
             # Django is not set up here (Flower, a `celery` command): no transaction
             # to join, and the workers that get the broadcast delete the rows.
             return reply
-        ids = [task_id] if isinstance(task_id, str) else list(task_id)
         try:
             withdraw(self.app, ids)
         except Exception as exc:

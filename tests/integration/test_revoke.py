@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 from celery import chord, group
 from celery.exceptions import TaskRevokedError
+from django.conf import settings
 from django.core.management import call_command
-from django.db import transaction
+from django.db import connections, transaction
 from django.test import override_settings
 from kombu import Connection, Queue
 
@@ -200,19 +201,26 @@ print("no error")
 
 
 def revoke_in_a_process(
-    task_id: str, *, django_setup: bool
+    task_id: str, *, django_setup: bool, down: str = "database"
 ) -> subprocess.CompletedProcess[str]:
     """``app.control.revoke(task_id, terminate=True)`` in a process of its own whose
-    outbox database (PostgreSQL) is at a port nothing listens on."""
+    outbox database (``down="database"``: PostgreSQL) or broker (``"broker"``) is
+    at a port nothing listens on; the other one is this run's."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.project.settings",
         "PYTHONPATH": str(ROOT),
-        "OUTBOX_TEST_DB": "postgresql",
-        "OUTBOX_PG_PORT": "1",
         "OUTBOX_TEST_BROKER": BROKER_AMQP,
     }
-    env.pop("OUTBOX_TEST_DB_NAME", None)
+    if down == "database":
+        env.update(OUTBOX_TEST_DB="postgresql", OUTBOX_PG_PORT="1")
+        env.pop("OUTBOX_TEST_DB_NAME", None)
+    else:
+        env.update(
+            OUTBOX_TEST_DB=settings.DEFAULT_VENDOR,
+            OUTBOX_TEST_DB_NAME=str(connections["default"].settings_dict["NAME"]),
+            OUTBOX_TEST_BROKER="amqp://guest:guest@127.0.0.1:1//",
+        )
     return subprocess.run(
         [
             sys.executable,
@@ -256,6 +264,17 @@ def test_without_django_set_up_the_revoke_is_the_broadcast_alone() -> None:
         done = revoke_in_a_process(task_id, django_setup=False)
         received(task_id)
     assert (done.returncode, done.stdout.strip()) == (0, "no error"), done.stderr
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_with_the_broker_down_the_rows_still_go_and_celerys_error_is_raised() -> None:
+    """No relay can publish meanwhile either: deleting the rows is the revoke that
+    works; the caller gets Celery's error, as with Celery."""
+    revoked, kept = committed("default", "revoked", "kept")
+    done = revoke_in_a_process(revoked, django_setup=True, down="broker")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout.startswith("kombu.exceptions.OperationalError: "), done.stdout
+    assert waiting("default") == [kept]
 
 
 def state(task_id: str) -> str:
