@@ -58,7 +58,7 @@ def test_other_messages_are_left_as_they_are(
 
 def test_a_naive_eta_is_utc_whatever_the_apps_timezone_as_the_worker_reads_it() -> None:
     # Celery's worker reads a naive 12:30 as 12:30 UTC, in Paris as in Tokyo: 30
-    # minutes after NOW (tests/unit/test_celery_eta.py holds it to the worker).
+    # minutes after NOW (tests/unit/test_worker_reading.py holds it to the worker).
     naive = "2026-05-01T12:30:00"
     for zone in (ZoneInfo("Europe/Paris"), ZoneInfo("Asia/Tokyo"), timezone.utc):
         later = schedule(envelope("t"), headers(naive), after=60, zone=zone, now=NOW)

@@ -1,12 +1,18 @@
-"""A task's ETA as the installed Celery writes it and as its worker reads it.
+"""What Celery's worker reads from a message the outbox holds, for the installed Celery.
 
 No fakes: the real ``OutboxCelery.send_task`` builds the message (Celery's own
 ``as_task_v2``) into the outbox's capturing producer, and Celery's own worker
-``Request`` reads it back. The outbox must hold the task until the moment that worker
-would run it, whatever the app's timezone and however the ETA was given. Celery's
-reading depends on its version (naive times were read in the app's timezone by some
-releases, as UTC by others), so this file is one of the contract tests that every
-Celery line of the matrix runs (``noxfile.py``).
+``Request`` reads it back.
+
+* The ETA: the outbox must hold the task until the moment that worker would run it,
+  whatever the app's timezone and however the ETA was given.
+* The request: a revoke before publish stores ``REVOKED`` with the request the
+  worker would have built from the message (``celery_outbox.revoke.worker_request``),
+  which a chord needs to return the member's part.
+
+Both are the worker's reading, which Celery has changed between releases, so this
+file is one of the contract tests every Celery line of the matrix runs
+(``noxfile.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from kombu import Message
 from celery_outbox import OutboxCelery
 from celery_outbox.enqueue import CapturingProducer
 from celery_outbox.envelope import Envelope
+from celery_outbox.revoke import worker_request
 from celery_outbox.scheduling import moment
 
 #: The app's timezones: far ahead of UTC, behind it, and UTC itself.
@@ -75,7 +82,10 @@ def worker_reading(app: OutboxCelery, envelope: Envelope) -> Any:
         content_encoding=envelope.content_encoding,
         headers=dict(envelope.headers),
         properties=dict(envelope.properties),
-        delivery_info={"exchange": envelope.exchange, "routing_key": "q"},
+        delivery_info={
+            "exchange": envelope.exchange,
+            "routing_key": envelope.routing_key,
+        },
     )
     return Request(
         message, app=app, task=app.tasks["eta.probe"], utc=app.uses_utc_timezone()
@@ -134,3 +144,35 @@ def test_expires_is_read_as_the_worker_reads_it(app: OutboxCelery) -> None:
     assert envelope.dead_reason.startswith("expired before due")
     kept = send(app, eta=naive_utc(2 * HOUR), expires=naive_utc(3 * HOUR))
     assert kept.dead_reason == ""
+
+
+def test_a_revoke_before_publish_stores_the_request_the_worker_would_build(
+    app: OutboxCelery,
+) -> None:
+    """Every field of the worker's request context, for a chord member with an
+    errback, a parent and a reply queue (``Request._context``, Celery's own)."""
+    body = app.signature("eta.body", args=("tag",))
+    envelope = send(
+        app,
+        args=(),
+        chord=body,
+        group_id="the-group",
+        group_index=1,
+        link_error=[app.signature("eta.errback")],
+        parent_id="the-parent",
+        root_id="the-root",
+        reply_to="the-reply-queue",
+        priority=3,
+    )
+    theirs = worker_reading(app, envelope)._context
+    ours = worker_request(app, envelope)
+    wanted = set(vars(theirs)) - {"hostname"}  # the worker's own name
+    assert {key: getattr(ours, key, None) for key in wanted} == {
+        key: getattr(theirs, key) for key in wanted
+    }
+    # What the result backend reads to return the chord's part:
+    assert (ours.group, ours.group_index, ours.chord["task"]) == (
+        "the-group",
+        1,
+        "eta.body",
+    )
