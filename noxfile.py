@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,15 @@ STREAMS = 2
 DRIVER_EXTRAS = ("postgres", "mysql", "redis")
 
 ROOT = Path(__file__).parent
+#: Times every stage of ``make test`` (scripts/stages.py; standard library only).
+STAGES = "scripts/stages.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+import stages  # noqa: E402
+
+#: pytest-xdist workers of the newest session's parallel part. The machine has two
+#: cores, but most of a test's time is spent waiting (on a database, a broker, a
+#: relay or worker process it started), so more workers than cores pay.
+WORKERS = os.environ.get("OUTBOX_TEST_WORKERS", "4")
 #: Printed by every session: the versions it really installed.
 SHOWN = ("Django", "celery", "kombu", "amqp", "redis", "psycopg", "PyMySQL")
 SHOW = "import sys, importlib.metadata as m; print(*(f'{n} {m.version(n)}' for n in sys.argv[1:]))"
@@ -148,15 +159,38 @@ def _params() -> list[Any]:
 def tests(session: nox.Session, django: str, celery: str) -> None:
     """One (Python, Django, Celery) combination of the matrix."""
     row = (session.python, django, celery)
+    label = "/".join(str(v) for v in row)
     if row == OLDEST:
         pins = _lowest_pins()
     else:
         pins = [f"Django=={django}.*", f"celery=={celery}.*"]
-    session.install("-e", ".[test]", *pins)
+    _install(session, f"{label}: install", "-e", ".[test]", *pins)
     session.run("python", "-c", SHOW, *SHOWN)
-    paths = () if row == NEWEST else CONTRACT_TESTS
     # pytest reads pyproject.toml: filterwarnings = error holds in every session.
-    session.run("python", "-m", "pytest", *paths, *session.posargs)
+    if row != NEWEST:
+        _pytest(session, f"{label}: contract tests", *CONTRACT_TESTS)
+        return
+    # The whole suite: what can share the machine in parallel, then the tests that
+    # stop a server or need the machine to themselves (the `serial` mark), alone.
+    # pytest exits 5 when it selects nothing (an empty part is no failure).
+    _pytest(session, f"{label}: tests", "-n", WORKERS, "-m", "not serial")
+    _pytest(session, f"{label}: serial tests", "-m", "serial", success_codes=[0, 5])
+
+
+def _install(session: nox.Session, stage: str, *args: str) -> None:
+    """``session.install(*args)``, timed as ``stage``."""
+    started, clock, status = time.time(), time.monotonic(), 1
+    try:
+        session.install(*args)
+        status = 0
+    finally:
+        stages.write(stage, time.monotonic() - clock, status, started)
+
+
+def _pytest(session: nox.Session, stage: str, *args: str, **run: Any) -> None:
+    """pytest with ``args`` (and the session's posargs), run and timed as ``stage``."""
+    command = ["python", "-m", "pytest", *args, *session.posargs]
+    session.run("python", STAGES, "run", stage, "--", *command, **run)
 
 
 @nox.session(name="celery_suite", python=NEWEST[0], default=False)
