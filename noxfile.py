@@ -61,6 +61,12 @@ CONTRACT_TESTS = (
     "tests/unit/test_amqpframes.py",
     "tests/unit/test_redis_check.py",
     "tests/integration/test_redis_publisher.py",
+    # What Celery's worker reads from a message the outbox holds (its ETA, the request
+    # a revoke before publish stores): each Celery line reads it its own way.
+    "tests/unit/test_worker_reading.py",
+    # A revoke before publish relies on the worker building its mailbox node from
+    # app.control (celery/worker/pidbox.py) and on the backend's chord part return.
+    "tests/e2e/test_revoke.py",
 )
 #: Celery lines whose own integration suite ``nox -s celery_suite`` runs, stock and
 #: through OutboxCelery (tests/celery_suite; not part of ``make test``).

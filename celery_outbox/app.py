@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from celery import Celery
-from django.db import connections
+from celery.utils import uuid
+from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
 from .conf import OutboxSettings, get_settings
@@ -24,12 +26,15 @@ from .enqueue import (
     is_excluded,
     outbox_alias,
 )
-from .exceptions import OutboxConfigurationError
+from .envelope import Envelope
+from .exceptions import OutboxConfigurationError, OutboxDatabaseError
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
 from .text import check_text
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
+
+logger = logging.getLogger("celery_outbox")
 
 
 class OutboxCelery(Celery):
@@ -52,7 +57,9 @@ class OutboxCelery(Celery):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._outbox_enqueuer = Enqueuer(on_commit=self._publish_after_commit)
+        self._outbox_enqueuer = Enqueuer(
+            on_commit=self._publish_after_commit, on_expired=self._announce_expired
+        )
         # A kombu Connection object per call cost a third of an enqueue: the unbuffered
         # capture producer holds no per-call state, so each thread keeps one.
         self._outbox_local = threading.local()
@@ -70,8 +77,25 @@ class OutboxCelery(Celery):
             if self._schedules(name, options, settings):
                 # Celery would publish it at once, to wait in a worker: it waits in
                 # the outbox instead, written on its own (no transaction to join).
-                options["producer"] = self._thread_producer(guarded=False)
-                return super().send_task(name, *args, **options)
+                options["task_id"] = options.get("task_id") or uuid()
+                try:
+                    return super().send_task(
+                        name,
+                        *args,
+                        **{**options, "producer": self._thread_producer(guarded=False)},
+                    )
+                except (DatabaseError, OutboxDatabaseError) as exc:
+                    # Celery needs only the broker: a worker's retry must not be
+                    # lost (Task.retry rejects the message when the send fails).
+                    logger.warning(
+                        "the outbox database failed (%s: %s): task %s [%s], due "
+                        "later, goes to the broker at once, as Celery sends it, "
+                        "and waits in a worker until its ETA",
+                        type(exc).__name__,
+                        exc,
+                        name,
+                        options["task_id"],
+                    )
             if given is None or isinstance(given, CapturingProducer):
                 # Our producer_or_acquire buffers into the outbox: take a real one.
                 with super().producer_or_acquire(None) as producer:
@@ -159,6 +183,13 @@ class OutboxCelery(Celery):
 
             self._outbox_commit_publisher = CommitPublisher(self)
         self._outbox_commit_publisher.schedule(alias, task_ids)
+
+    def _announce_expired(self, envelopes: Sequence[Envelope]) -> None:
+        """Scheduled tasks that expire before their ETA went to the dead letters: the
+        result backend says what a worker that received them would (revoked, expired)."""
+        from .revoke import EXPIRED_REASON, announce
+
+        announce(self, envelopes, reason=EXPIRED_REASON)
 
     def _thread_producer(self, *, guarded: bool = True) -> CapturingProducer:
         attribute = "producer" if guarded else "unguarded_producer"

@@ -21,7 +21,7 @@ from datetime import timezone, tzinfo
 from typing import Any
 
 from django.apps import apps
-from django.db import connections
+from django.db import connections, transaction
 from kombu import Exchange, Queue
 from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
@@ -207,8 +207,9 @@ class CapturingProducer:
     ) -> None:
         """``amqp``: the relay publishes with py-amqp, so messages it cannot encode are refused.
 
-        ``zone`` is the app's timezone, in which a naive ``eta`` is read (as the worker
-        reads it) to tell whether the task is scheduled (:mod:`.scheduling`).
+        ``zone`` is the app's timezone, which the ``eta`` header is read with, as the
+        worker reads it (a naive ``eta`` is UTC), to tell whether the task is
+        scheduled (:mod:`.scheduling`).
         ``autocommit`` tells a buffered producer whether its writes commit at once
         (the outbox alias is not inside ``atomic()``): it then writes a group's first
         member at once, as Celery would publish it, and later ones when the builder
@@ -535,11 +536,19 @@ class Enqueuer:
     """Writes captured messages through the store, with the transaction checks."""
 
     def __init__(
-        self, on_commit: Callable[[str, Sequence[str]], None] | None = None
+        self,
+        on_commit: Callable[[str, Sequence[str]], None] | None = None,
+        on_expired: Callable[[Sequence[Envelope]], None] | None = None,
     ) -> None:
-        """``on_commit(alias, task_ids)`` is called for each write when publish-on-commit is on."""
+        """``on_commit(alias, task_ids)`` is called for each write when publish-on-commit is on.
+
+        ``on_expired(envelopes)`` is called once the caller's transaction commits,
+        with the scheduled messages written to the dead letters because they expire
+        before their ETA: a worker would have revoked them as expired.
+        """
         self.guard = TransactionGuard()
         self._on_commit = on_commit
+        self._on_expired = on_expired
         self._installed = False
 
     def autocommit(self) -> bool:
@@ -578,6 +587,10 @@ class Enqueuer:
         # Built here on the alias resolved above, not by the factory: the call's only
         # object. The writer coalesces the hints of a burst of commits.
         OutboxWriter(alias).insert(envelopes, notify=settings.notify)
+        if self._on_expired is not None and any(e.dead_reason for e in envelopes):
+            expired = [e for e in envelopes if e.dead_reason]
+            on_expired = self._on_expired
+            transaction.on_commit(lambda: on_expired(expired), using=alias)
         send_created(envelopes, alias)
         if settings.publish_on_commit and self._on_commit is not None:
             self._on_commit(alias, [e.task_id for e in envelopes])

@@ -62,6 +62,9 @@ class Envelope:
     #: A scheduled task's seconds from the enqueue to its ETA (:mod:`.scheduling`):
     #: its row is due then. None: due at once.
     due_in: float | None = None
+    #: ``time.monotonic()`` when ``due_in`` was measured: a row written later (a
+    #: group's members, a buffered row at ``COMMIT``) takes off what has passed.
+    due_in_measured_at: float | None = None
     #: Set when the message is written straight to the dead letters, with this reason
     #: (a scheduled task that expires before its ETA); never sent.
     dead_reason: str = ""

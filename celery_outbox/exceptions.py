@@ -6,6 +6,8 @@ Driver and broker exceptions are translated into this small tree once, at the ed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class OutboxError(Exception):
     """Base class of every error celery-outbox raises on purpose."""
@@ -33,3 +35,20 @@ class UnsupportedPayloadVersion(OutboxError):
 
 class OutboxDatabaseError(OutboxError):
     """The outbox database could not be reached or refused a statement."""
+
+
+class OutboxRevokeError(OutboxError):
+    """A revoke went out to the workers, but the tasks' outbox rows were not deleted."""
+
+    def __init__(self, task_ids: Sequence[str], cause: BaseException) -> None:
+        """``task_ids``: the tasks revoked; ``cause``: why their rows stayed."""
+        self.task_ids = list(task_ids)
+        shown = ", ".join(self.task_ids[:5]) + (" ..." if len(task_ids) > 5 else "")
+        super().__init__(
+            f"Revoke of {shown}: Celery's broadcast went out to the workers, but the "
+            f"outbox rows were not deleted ({type(cause).__name__}: {cause}). Workers "
+            f"that got the broadcast drop these tasks; a worker started since (without "
+            f"--statedb) would run one the relay publishes. Once the outbox database "
+            f"answers, revoke them again (app.control.revoke(ids)): that deletes the "
+            f"rows still there."
+        )

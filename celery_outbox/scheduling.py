@@ -12,8 +12,11 @@ falls due. These functions decide it from the message's headers, as plain values
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import datetime, timezone, tzinfo
 from typing import Any
+
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 
 from .envelope import Envelope
 
@@ -21,21 +24,23 @@ from .envelope import Envelope
 EXPIRED_BEFORE_DUE = "expired before due"
 
 
-def moment(value: Any, zone: tzinfo) -> datetime | None:
-    """A header's ISO 8601 time (``eta``, ``expires``) as an aware datetime, or None.
+def moment(value: Any, zone: tzinfo = timezone.utc) -> datetime | None:
+    """A header's time (``eta``, ``expires``) as Celery's worker reads it, or None.
 
-    A naive time is in ``zone``, as Celery's worker reads it (the app's timezone).
-    A value that is not a time is None: the task is then published as Celery would.
+    The worker of every Celery 5.4 to 5.7 reads these headers with
+    ``maybe_make_aware(maybe_iso8601(value), app.conf.timezone)`` (``Request``): ISO
+    8601 text, and a naive time in **UTC**, whatever the app's timezone (``zone``
+    only localizes the result). The same two functions read it here, so the outbox
+    holds a task until the moment the worker would run it. A value the worker
+    would refuse is None: the task is then published as Celery would.
     """
-    if not isinstance(value, str):
+    if not isinstance(value, (str, datetime)):
         return None
     try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
+        parsed = maybe_iso8601(value)
+        return None if parsed is None else maybe_make_aware(parsed, zone)
+    except (AttributeError, OverflowError, TypeError, ValueError):
         return None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=zone)
-    return parsed
 
 
 def schedule(
@@ -69,7 +74,12 @@ def schedule(
             f"{EXPIRED_BEFORE_DUE}: the task expires at {expires.isoformat()}, before "
             f"its ETA {eta.isoformat()}, so no worker would run it"
         )
-    return dataclasses.replace(envelope, due_in=due_in, dead_reason=reason)
+    return dataclasses.replace(
+        envelope,
+        due_in=due_in,
+        due_in_measured_at=time.monotonic(),
+        dead_reason=reason,
+    )
 
 
 def far_eta(
@@ -89,11 +99,7 @@ def far_eta(
     countdown = options.get("countdown")
     if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
         return countdown > after
-    eta = options.get("eta")
-    if isinstance(eta, datetime):
-        eta = eta if eta.tzinfo is not None else eta.replace(tzinfo=zone)
-    else:
-        eta = moment(eta, zone)
+    eta = moment(options.get("eta"), zone)
     if eta is None:
         return False
     now = now or datetime.now(timezone.utc)

@@ -43,7 +43,9 @@ class DedupKeys(StoreBase):
     def _hold(self, key: str, task_id: str, window: float) -> str | None:
         """None once ``key`` is ``task_id``'s; else the task id that holds it."""
         dialect = self.dialect
-        until_sql, until_params = dialect.after(window)
+        # The window counts from this statement, not from the start of the
+        # caller's transaction (PostgreSQL's now()).
+        until_sql, until_params = dialect.after(window, clock=True)
         with self._translated(), transaction.atomic(using=self.alias):
             # InnoDB: writers that wait on the INSERT of an uncommitted key hold
             # shared locks on it; when its transaction rolls back, two of them
@@ -98,7 +100,7 @@ class DedupKeys(StoreBase):
         """
         with self.connection.cursor() as cursor:
             cursor.execute(
-                f"SELECT task_id, CASE WHEN held_until > {self.dialect.now()} THEN 1 "
+                f"SELECT task_id, CASE WHEN held_until > {self.dialect.clock()} THEN 1 "
                 f"ELSE 0 END FROM {DEDUP_TABLE} WHERE dedup_key = %s"
                 f"{self._for_update()}",
                 [key],

@@ -86,8 +86,26 @@ class Dialect:
     duplicates_deadlock = False
 
     def now(self) -> str:
-        """An SQL expression for the database's current UTC time."""
+        """An SQL expression for the database's current UTC time.
+
+        On PostgreSQL the start of the transaction (``now()``): one value for the
+        whole statement, so an index serves a comparison with it, and close enough
+        in the short transactions of a relay. A time a caller's transaction writes
+        counts from :meth:`clock` instead.
+        """
         raise NotImplementedError
+
+    def clock(self) -> str:
+        """The database's UTC time when the statement runs, however long its
+        transaction has been open.
+
+        What a due time written in a caller's transaction counts from (a scheduled
+        row's ETA, a ``dedup_key``'s window): from :meth:`now`, a row written 20 s
+        into a transaction on PostgreSQL would be due 20 s early. One value for the
+        whole statement, as :meth:`now` (PostgreSQL's ``statement_timestamp()``);
+        MySQL's and SQLite's current time is the statement's already.
+        """
+        return self.now()
 
     def exact(self, column: str) -> str:
         """``column`` compared character for character (case and accents count)."""
@@ -106,12 +124,18 @@ class Dialect:
         cursor.execute(f"DELETE FROM {MESSAGE_TABLE} WHERE {where}", list(params))
         return int(cursor.rowcount)
 
-    def after(self, seconds: float) -> tuple[str, list[Any]]:
-        """SQL (and its parameters) for the database time ``seconds`` from now."""
-        return self.after_expr("%s"), [self.delay_value(seconds)]
+    def after(self, seconds: float, *, clock: bool = False) -> tuple[str, list[Any]]:
+        """SQL (and its parameters) for the database time ``seconds`` from now.
 
-    def after_expr(self, delay_sql: str) -> str:
-        """SQL for now plus a delay given as an SQL expression of :meth:`delay_value` values."""
+        ``clock``: from the statement's time (:meth:`clock`), not the transaction's.
+        """
+        return self.after_expr("%s", clock=clock), [self.delay_value(seconds)]
+
+    def after_expr(self, delay_sql: str, *, clock: bool = False) -> str:
+        """SQL for now plus a delay given as an SQL expression of :meth:`delay_value` values.
+
+        ``clock``: from the statement's time (:meth:`clock`), not the transaction's.
+        """
         raise NotImplementedError
 
     def delay_value(self, seconds: float) -> Any:
@@ -228,8 +252,12 @@ class PostgresDialect(Dialect):
     def now(self) -> str:
         return "now()"
 
-    def after_expr(self, delay_sql: str) -> str:
-        return f"now() + ({delay_sql}) * interval '1 second'"
+    def clock(self) -> str:
+        return "statement_timestamp()"
+
+    def after_expr(self, delay_sql: str, *, clock: bool = False) -> str:
+        start = self.clock() if clock else self.now()
+        return f"{start} + ({delay_sql}) * interval '1 second'"
 
     def delay_value(self, seconds: float) -> Any:
         return float(seconds)
@@ -280,7 +308,8 @@ class MySQLDialect(Dialect):
     def now(self) -> str:
         return "UTC_TIMESTAMP(6)"
 
-    def after_expr(self, delay_sql: str) -> str:
+    def after_expr(self, delay_sql: str, *, clock: bool = False) -> str:
+        # UTC_TIMESTAMP() is the statement's start, in a transaction or not.
         return f"UTC_TIMESTAMP(6) + INTERVAL ({delay_sql}) MICROSECOND"
 
     def delay_value(self, seconds: float) -> Any:
@@ -328,7 +357,8 @@ class SQLiteDialect(Dialect):
     def now(self) -> str:
         return f"strftime({self._FORMAT}, 'now')"
 
-    def after_expr(self, delay_sql: str) -> str:
+    def after_expr(self, delay_sql: str, *, clock: bool = False) -> str:
+        # 'now' is the statement's time (one value per sqlite3_step()).
         return f"strftime({self._FORMAT}, 'now', {delay_sql})"
 
     def delay_value(self, seconds: float) -> Any:

@@ -105,7 +105,7 @@ class EventRows(StoreBase):
         now = dialect.now()
         params: list[Any] = []
         if reason is None:
-            after_sql, after_params = dialect.after(delay)
+            after_sql, after_params = dialect.after(delay, clock=True)
             row = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {after_sql})"
             head = f"INSERT INTO {MESSAGE_TABLE} ({', '.join(INSERT_COLUMNS)})"
             for envelope in envelopes:

@@ -16,6 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.db import models, transaction
 
+from ..envelope import Envelope, load_json
 from ..states import BLOCKED, DEAD, REVOKED
 from ..text import storable
 from .dialects import (
@@ -215,40 +216,51 @@ class OperatorQueries(HistoryWriter):
             moved.extend(free)
         return moved
 
-    def revoke(self, task_ids: Sequence[str]) -> list[str]:
+    def revoke(
+        self, task_ids: Sequence[str], *, skip_locked: bool = False
+    ) -> list[Envelope]:
         """Delete the outbox rows of these tasks, in the caller's transaction.
 
         Rows a relay holds right now are left to it: the relay is publishing them,
-        and the revoke broadcast stops them at the workers. With history on, each
-        deleted row leaves a ``revoked`` event. Returns the task ids whose rows
-        were deleted.
+        and the revoke broadcast stops them at the workers. With ``skip_locked``,
+        rows another transaction has locked (a caller revoking them, a relay
+        claiming them) are left to it as well, without waiting for it. With history
+        on, each deleted row leaves a ``revoked`` event. Returns the messages
+        deleted, as they would have been published (the result backend needs what
+        the worker would have read).
         """
         wanted = list(dict.fromkeys(str(task_id) for task_id in task_ids))
         if not wanted:
             return []
+        lock = self._for_update()
+        features = self.connection.features
+        if lock and skip_locked and features.has_select_for_update_skip_locked:
+            lock = " " + str(self.connection.ops.for_update_sql(skip_locked=True))
         with (
             self._translated(),
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
+            # The lease is judged on the statement's clock: a revoke may come late
+            # in a long transaction (PostgreSQL's now() is its start).
             cursor.execute(
-                f"SELECT id, task_id FROM {MESSAGE_TABLE} "
+                f"SELECT id, {', '.join(_REVOKED_COLUMNS)} FROM {MESSAGE_TABLE} "
                 f"WHERE task_id IN ({placeholders(wanted)}) "
-                f"AND (lease_token IS NULL OR available_at <= {self.dialect.now()}) "
-                f"ORDER BY id{self._for_update()}",
+                f"AND (lease_token IS NULL OR available_at <= {self.dialect.clock()}) "
+                f"ORDER BY id{lock}",
                 wanted,
             )
             # Exactly these ids: MySQL's collation would match another case too.
             exact = set(wanted)
-            found = [(int(i), str(t)) for i, t in cursor.fetchall() if str(t) in exact]
-            ids = [row_id for row_id, _ in found]
+            found = [row for row in cursor.fetchall() if str(row[1]) in exact]
+            ids = [int(row[0]) for row in found]
             if ids:
                 self.record_outbox(cursor, REVOKED, ids)
                 cursor.execute(
                     f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})",
                     ids,
                 )
-        return list(dict.fromkeys(task_id for _, task_id in found))
+        return [_revoked_message(row[1:]) for row in found]
 
     def replay_dead_letters(
         self,
@@ -493,3 +505,42 @@ def id_chunks(ids: Sequence[int], size: int = OPERATOR_CHUNK) -> Iterator[list[i
     unique = list(dict.fromkeys(int(i) for i in ids))
     for start in range(0, len(unique), size):
         yield unique[start : start + size]
+
+
+#: What :meth:`OperatorQueries.revoke` reads of each row it deletes.
+_REVOKED_COLUMNS = (
+    "task_id",
+    "task_name",
+    "exchange",
+    "routing_key",
+    "body",
+    "content_type",
+    "content_encoding",
+    "headers",
+    "properties",
+)
+
+
+def _revoked_message(row: Sequence[Any]) -> Envelope:
+    """A deleted row (:data:`_REVOKED_COLUMNS`) as the message it held."""
+    task_id, task_name, exchange, routing_key, body, ctype, cencoding, h, p = row
+    return Envelope(
+        task_id=str(task_id),
+        task_name=str(task_name),
+        exchange=str(exchange),
+        routing_key=str(routing_key),
+        body=bytes(body),
+        content_type=str(ctype),
+        content_encoding=str(cencoding),
+        headers=_json_object(h),
+        properties=_json_object(p),
+    )
+
+
+def _json_object(text: Any) -> dict[str, Any]:
+    """A stored JSON object, or ``{}`` when the text is not one."""
+    try:
+        value = load_json(str(text))
+    except (TypeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -135,24 +136,26 @@ class OutboxWriter(StoreBase):
     ) -> tuple[str, list[Any]]:
         """The INSERT of messages some of which are scheduled: due at their ETA.
 
-        ``available_at`` and ``due_at`` are the ETA on the database clock (now plus
-        the seconds the call had left), so relays and the worker's ``eta`` agree
-        however the caller's clock drifts from the database's.
+        ``available_at`` and ``due_at`` are the ETA on the database clock (the
+        statement's time plus the seconds the call had left), so relays and the
+        worker's ``eta`` agree however the caller's clock drifts from the
+        database's, and however long the caller's transaction has been open.
         """
         dialect = self.dialect
         now = dialect.now()
         at_once = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {now}, NULL)"
-        later = dialect.after_expr("%s")
+        later = dialect.after_expr("%s", clock=True)
         scheduled = f"({placeholders(MESSAGE_COLUMNS)}, 0, '', {now}, {later}, {later})"
         rows: list[str] = []
         params: list[Any] = []
+        written_at = time.monotonic()
         for envelope in envelopes:
             params.extend(message_values(envelope))
             if envelope.due_in is None:
                 rows.append(at_once)
             else:
                 rows.append(scheduled)
-                params.extend([dialect.delay_value(envelope.due_in)] * 2)
+                params.extend([dialect.delay_value(left(envelope, written_at))] * 2)
         sql = f"{_SCHEDULED_HEAD} VALUES " + ", ".join(rows)
         return dialect.insert(sql, notify), params
 
@@ -455,6 +458,19 @@ def _check_columns(envelope: Envelope, limits: Mapping[str, int | None]) -> None
         value = getattr(envelope, column)
         if value is not None:
             check_text(value, column, where, limit=limit)
+
+
+def left(envelope: Envelope, now: float) -> float:
+    """Seconds still to a scheduled envelope's ETA at ``now`` (``time.monotonic()``).
+
+    Its ``due_in`` was measured at the call; a row written later (a group's members
+    together, a buffered row with the ``COMMIT``) is due that much sooner.
+    """
+    due_in = envelope.due_in or 0.0
+    measured_at = envelope.due_in_measured_at
+    if measured_at is None:
+        return due_in
+    return due_in - max(0.0, now - measured_at)
 
 
 def message_values(envelope: Envelope) -> list[Any]:

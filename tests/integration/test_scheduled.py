@@ -8,25 +8,36 @@ operator views tell it apart, and a task that expires before its ETA is a dead l
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from io import StringIO
+from pathlib import Path
 
 import pytest
+from celery import chord
 from django.core.management import call_command
 from django.db import connections, transaction
 from django.test import override_settings
+from kombu import Connection, Queue
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.store import Stores
-from tests.project.shop.tasks import record
+from celery_outbox.testing import OutboxFixture
+from tests.project.celery_app import app
+from tests.project.shop.tasks import collect, errback, record
 
+from ..conftest import BROKER_AMQP
 from .builders import envelope
 
 pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 HOUR = 3600.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -126,6 +137,57 @@ def test_a_scheduled_row_is_claimed_once_due_and_its_age_counts_from_its_eta(
     assert message.age_seconds is not None and message.age_seconds < 1.0
 
 
+#: How long the tests of a long transaction keep it open, before and after the call.
+HELD_OPEN = 1.5
+
+
+def begin(alias: str) -> None:
+    """Start the transaction now (PostgreSQL's now() is its start from here on)."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT 1", [])
+        cursor.fetchall()
+
+
+def test_a_row_written_late_in_a_long_transaction_is_due_at_its_eta(
+    on_alias: str,
+) -> None:
+    """Due at the ETA the worker reads, not earlier by the transaction's age.
+
+    On PostgreSQL the row is written at the call, 1.5 s into the transaction; through
+    the write-on-commit engine at the COMMIT, 1.5 s after the call.
+    """
+    with transaction.atomic(using=on_alias):
+        begin(on_alias)
+        time.sleep(HELD_OPEN)
+        result = record.apply_async(("late",), countdown=HOUR)
+        time.sleep(HELD_OPEN)
+    (row,) = rows(on_alias)
+    assert row.task_id == result.id and row.due_at == row.available_at
+    eta = datetime.fromisoformat(json.loads(row.headers)["eta"])
+    worker_wait = (eta - datetime.now(timezone.utc)).total_seconds()
+    assert row.due_at is not None
+    assert seconds_from_now(on_alias, row.due_at) == pytest.approx(worker_wait, abs=0.5)
+
+
+def test_a_dedup_window_counts_from_the_call_in_a_long_transaction(
+    on_alias: str,
+) -> None:
+    """The same class: a key's window is a due time written in the caller's transaction."""
+    key = f"window-{time.monotonic_ns()}"
+    with transaction.atomic(using=on_alias):
+        begin(on_alias)
+        time.sleep(HELD_OPEN)
+        record.apply_async(("held",), dedup_key=key, dedup_window=HOUR)
+    with connections[on_alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT held_until FROM celery_outbox_dedup_key WHERE dedup_key = %s", [key]
+        )
+        (held_until,) = cursor.fetchone()
+    if isinstance(held_until, str):  # SQLite
+        held_until = datetime.fromisoformat(held_until)
+    assert seconds_from_now(on_alias, held_until) == pytest.approx(HOUR, abs=0.5)
+
+
 def test_a_task_that_expires_before_its_eta_is_a_dead_letter(on_alias: str) -> None:
     with transaction.atomic(using=on_alias):
         doomed = record.apply_async(("doomed",), countdown=HOUR, expires=60)
@@ -139,9 +201,31 @@ def test_a_task_that_expires_before_its_eta_is_a_dead_letter(on_alias: str) -> N
 
 def test_an_expired_task_rolls_back_with_the_transaction(on_alias: str) -> None:
     with pytest.raises(RuntimeError), transaction.atomic(using=on_alias):
-        record.apply_async(("doomed",), countdown=HOUR, expires=60)
+        doomed = record.apply_async(("doomed",), countdown=HOUR, expires=60)
         raise RuntimeError("rollback")
     assert not DeadLetter.objects.using(on_alias).exists()
+    assert app.AsyncResult(doomed.id).state == "PENDING"
+
+
+def test_a_chord_whose_header_expires_before_its_eta_fails_as_with_celery(
+    on_alias: str,
+) -> None:
+    """A worker that received these would revoke them as expired, store REVOKED and
+    return their part of the chord: so does their dead letter, once it commits."""
+    tag = f"expired-{time.monotonic_ns()}"
+    doomed = {"countdown": HOUR, "expires": 60}
+    with transaction.atomic(using=on_alias):
+        body = chord(
+            [record.s(f"{tag}-a").set(**doomed), record.s(f"{tag}-b").set(**doomed)],
+            collect.s(tag).on_error(errback.s()),
+        ).apply_async()
+        assert app.AsyncResult(body.id).state == "PENDING"
+    members = [app.AsyncResult(member.id) for member in body.parent.results]
+    assert [member.state for member in members] == ["REVOKED", "REVOKED"]
+    assert str(members[0].result) == "expired"
+    assert app.AsyncResult(body.id).state == "FAILURE"
+    sent = OutboxFixture(alias=on_alias).filter(errback)
+    assert [message.args for message in sent] == [(body.id,)]
 
 
 def test_stats_tell_scheduled_rows_apart_and_leave_them_out_of_the_oldest_age(
@@ -278,3 +362,55 @@ def _nodes(node: dict[str, object]) -> Iterator[dict[str, object]]:
     yield node
     for child in node.get("Plans", []):  # type: ignore[union-attr]
         yield from _nodes(child)  # type: ignore[arg-type]
+
+
+SEND_LATER_FROM_A_WORKER = """
+import sys
+import django
+
+django.setup()
+from tests.project.shop.tasks import send_later
+
+# Run as a worker runs it (apply() traces it as Celery's worker does).
+result = send_later.apply(args=(sys.argv[1], 3600.0, sys.argv[2]))
+print(result.state, result.result)
+"""
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_with_the_outbox_database_down_a_workers_far_eta_goes_to_the_broker() -> None:
+    """Celery needs only the broker to send a worker's retry or delayed call: with the
+    outbox database down it is sent as Celery sends it, not lost (``Task.retry``
+    rejects the message when the send fails)."""
+    queue = f"later-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.project.settings",
+        "PYTHONPATH": str(ROOT),
+        # The outbox's database (PostgreSQL) at a port nothing listens on.
+        "OUTBOX_TEST_DB": "postgresql",
+        "OUTBOX_PG_PORT": "1",
+        "OUTBOX_TEST_BROKER": BROKER_AMQP,
+    }
+    env.pop("OUTBOX_TEST_DB_NAME", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SEND_LATER_FROM_A_WORKER, "later", queue],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.stdout.startswith("SUCCESS "), done.stdout + done.stderr
+        child = done.stdout.split()[1]
+        assert "the outbox database failed" in done.stderr
+        with Connection(BROKER_AMQP, connect_timeout=5) as conn:
+            message = Queue(queue)(conn.default_channel).get(no_ack=True)
+    finally:
+        with Connection(BROKER_AMQP, connect_timeout=5) as conn:
+            Queue(queue)(conn.default_channel).delete()
+    assert message is not None, "nothing reached the broker"
+    assert message.headers["id"] == child
+    eta = datetime.fromisoformat(message.headers["eta"])
+    assert HOUR - 60 < (eta - datetime.now(timezone.utc)).total_seconds() <= HOUR

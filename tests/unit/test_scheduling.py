@@ -56,15 +56,16 @@ def test_other_messages_are_left_as_they_are(
     assert schedule(message, headers(eta), after=after, now=NOW) is message
 
 
-def test_a_naive_eta_is_read_in_the_apps_timezone_as_the_worker_reads_it() -> None:
-    # 14:30 in Paris (UTC+2 in May) is 12:30 UTC: 30 minutes after NOW.
-    naive = "2026-05-01T14:30:00"
-    paris = schedule(
-        envelope("t"), headers(naive), after=60, zone=ZoneInfo("Europe/Paris"), now=NOW
-    )
-    assert paris.due_in == 1800.0
-    utc = schedule(envelope("t"), headers(naive), after=60, now=NOW)
-    assert utc.due_in == 9000.0
+def test_a_naive_eta_is_utc_whatever_the_apps_timezone_as_the_worker_reads_it() -> None:
+    # Celery's worker reads a naive 12:30 as 12:30 UTC, in Paris as in Tokyo: 30
+    # minutes after NOW (tests/unit/test_worker_reading.py holds it to the worker).
+    naive = "2026-05-01T12:30:00"
+    for zone in (ZoneInfo("Europe/Paris"), ZoneInfo("Asia/Tokyo"), timezone.utc):
+        later = schedule(envelope("t"), headers(naive), after=60, zone=zone, now=NOW)
+        assert later.due_in == 1800.0
+    aware = "2026-05-01T14:30:00+02:00"  # an offset is kept: 12:30 UTC too
+    later = schedule(envelope("t"), headers(aware), after=60, now=NOW)
+    assert later.due_in == 1800.0
 
 
 def test_a_task_that_expires_before_its_eta_gets_the_dead_letters_reason() -> None:
@@ -94,13 +95,16 @@ def test_a_task_that_expires_before_its_eta_gets_the_dead_letters_reason() -> No
         ({"countdown": 30, "eta": NOW + timedelta(hours=1)}, False),  # countdown wins
         ({"eta": NOW + timedelta(hours=1)}, True),
         ({"eta": (NOW + timedelta(hours=1)).isoformat()}, True),
-        ({"eta": datetime(2026, 5, 1, 13, 0)}, True),  # naive: in the app's zone
+        ({"eta": datetime(2026, 5, 1, 13, 0)}, True),  # naive: UTC, an hour ahead
+        ({"eta": datetime(2026, 5, 1, 12, 0, 30)}, False),  # naive: 30 s ahead
         ({"eta": NOW + timedelta(seconds=10)}, False),
         ({}, False),
     ],
 )
 def test_far_eta_reads_celerys_options(options: dict[str, object], far: bool) -> None:
     assert far_eta(options, 60, now=NOW) is far
+    # The app's timezone never moves a naive ETA (Celery's worker reads it as UTC).
+    assert far_eta(options, 60, zone=ZoneInfo("Asia/Tokyo"), now=NOW) is far
     assert far_eta(options, None, now=NOW) is False
 
 

@@ -52,7 +52,9 @@ def test_each_part_adds_its_options_whatever_the_order_of_the_parts(
     app = Celery("parts", set_as_current=False)
     base = type("Probe", bases, {})
 
-    @app.task(name="parts.probe", base=base, ordering="strict", inbox=True)
+    @app.task(
+        name="parts.probe", base=base, ordering="strict", inbox=True, shared=False
+    )
     def probe(order_id: int) -> None: ...
 
     options = probe.apply_async((1,), ordering_key="order:1", inbox_key="pay:1")

@@ -42,6 +42,14 @@ def collect(self: Any, results: list[Any], tag: str) -> int:
     return len(results)
 
 
+@shared_task(bind=True, name="shop.errback")
+def errback(self: Any, task_id: str) -> str:
+    """An errback of the old style (it takes the failed task's id): every Celery
+    sends it as a task. Records ``errback:<failed task id>``."""
+    _record(self, f"errback:{task_id}")
+    return task_id
+
+
 @shared_task(bind=True, name="shop.flaky", max_retries=3)
 def flaky(self: Any, tag: str) -> str:
     _record(self, f"{tag}-attempt-{self.request.retries}")
@@ -66,6 +74,13 @@ def retry_later(self: Any, tag: str, countdown: float) -> str:
         raise self.retry(countdown=countdown)
     _record(self, tag, self.request.eta)
     return tag
+
+
+@shared_task(bind=True, name="shop.send_later")
+def send_later(self: Any, tag: str, countdown: float, queue: str) -> str:
+    """From a worker, outside a transaction: ``shop.record(tag)`` due in ``countdown``
+    seconds, to ``queue``; returns its task id. Touches no database itself."""
+    return str(record.apply_async((tag,), countdown=countdown, queue=queue).id)
 
 
 @shared_task(bind=True, name="shop.spawn")
