@@ -51,7 +51,7 @@ from .dialects import (
 )
 from .history import HistoryWriter
 from .notify import HINTS, remember_hint
-from .ordering import KeyedClaims
+from .ordering import RUNNING, KeyedClaims
 from .types import (
     Claim,
     SettleReport,
@@ -545,6 +545,7 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         declare_queues,
         arguments_preview,
         log_context,
+        state,
         age,
     ) = row
     check_payload_version(int(payload_version), int(row_id))
@@ -571,4 +572,5 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         int(attempts),
         envelope,
         age_seconds=None if age is None else max(0.0, float(age)),
+        republish=state == RUNNING,
     )
