@@ -45,9 +45,6 @@ logger = logging.getLogger("celery_outbox.ordering")
 #: How long a worker process, as it ends, waits for its reports to be written.
 SHUTDOWN_SECONDS = 10.0
 
-#: Kept for callers of its first place: :func:`.endings.strict_headers`.
-strict_headers = endings.strict_headers
-
 
 def install() -> None:
     """Connect the reporting receivers once per process (idempotent)."""
