@@ -252,3 +252,23 @@ def test_a_replaced_head_holds_its_key_until_its_replacement_ran(e2e: Any) -> No
     assert order == [f"{tag}:replacement", f"{key.split(':')[0]}:next"]
     assert runs(stack, f"started:{tag}") == 1
     outbox_empty(stack)
+
+
+def test_a_retried_head_holds_its_key_until_its_retry_ran(e2e: Any) -> None:
+    stack = started(e2e("postgresql", BROKER_AMQP))
+    tag, key = strict_key(
+        stack,
+        lambda tag, key: ending.apply_async(
+            (tag, "retry", 2.0), ordering_key=key, ordering="strict"
+        ),
+    )
+    next_ran(stack, key)
+    done = TaskRun.objects.using(stack.alias)
+    order = list(
+        done.filter(tag__in=[tag, f"{key.split(':')[0]}:next"])
+        .order_by("id")
+        .values_list("tag", flat=True)
+    )
+    assert order == [tag, f"{key.split(':')[0]}:next"]
+    assert runs(stack, f"started:{tag}") == 2
+    outbox_empty(stack)

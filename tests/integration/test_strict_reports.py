@@ -16,10 +16,11 @@ import pytest
 from celery import shared_task
 from celery.app.task import Context
 from celery.app.trace import build_tracer
-from celery.exceptions import Reject, TimeLimitExceeded, WorkerLostError
+from celery.exceptions import Reject, Retry, TimeLimitExceeded, WorkerLostError
 from celery.signals import (
     task_failure,
     task_received,
+    task_retry,
     task_revoked,
     worker_process_shutdown,
 )
@@ -309,3 +310,27 @@ def test_a_head_whose_worker_process_died_is_published_again_at_once(
     (again,) = publish_heads(store)
     assert again.id == head.id
     assert again.republish
+
+
+def test_a_retried_head_stays_held_for_its_delay_and_a_lease(
+    on_alias: str, settings: Any
+) -> None:
+    settings.CELERY_OUTBOX_STRICT_LEASE_SECONDS = 600.0
+    strict_pair(on_alias, record, "head")
+    store = Stores(on_alias).relay()
+    (head,) = publish_heads(store)  # running for 300 s
+    before = head_row(on_alias, head).available_at
+    request = delivered(head, record)
+    # Sent by whichever process retried it: the task's (self.retry()), or the
+    # worker's main one (5.7's retry_on_worker_lost).
+    task_retry.send(
+        sender=record,
+        request=Context(request.request_dict),
+        reason=Retry(when=3000),
+        einfo=None,
+    )
+    assert wait_for_reports(10.0)
+    after = head_row(on_alias, head)
+    assert after.state == "running"
+    assert after.available_at - before > dt.timedelta(seconds=3000)
+    assert publish_heads(store) == ()

@@ -208,7 +208,8 @@ def ending(self: Any, tag: str, how: str = "", seconds: float = 0.0) -> str:
     """Record ``started:<tag>`` (the worker process's pid), then end as ``how`` says.
 
     ``reject``: ``Reject(requeue=False)``; ``sleep``: sleep ``seconds`` (for a time
-    limit, a terminate or a kill to end it) on its first start only; ``replace``:
+    limit, a terminate or a kill to end it) on its first start only; ``retry``:
+    ``self.retry(countdown=seconds)`` on its first start only; ``replace``:
     replaced by ``shop.ordered`` recording ``<tag>:replacement`` after ``seconds``.
     Otherwise, or once its first run was cut short, it records ``<tag>``.
     """
@@ -218,6 +219,8 @@ def ending(self: Any, tag: str, how: str = "", seconds: float = 0.0) -> str:
         raise Reject(f"{tag} refused", requeue=False)
     if how == "sleep" and first:
         time.sleep(seconds)
+    if how == "retry" and first:
+        raise self.retry(countdown=seconds)
     if how == "replace":
         return self.replace(ordered.si(f"{tag}:replacement", seconds))  # type: ignore[no-any-return]
     _record(self, tag)
