@@ -22,6 +22,7 @@ from celery.signals import (
     task_received,
     task_retry,
     task_revoked,
+    task_unknown,
     worker_process_shutdown,
 )
 from celery.worker.request import Request
@@ -334,3 +335,22 @@ def test_a_retried_head_stays_held_for_its_delay_and_a_lease(
     assert after.state == "running"
     assert after.available_at - before > dt.timedelta(seconds=3000)
     assert publish_heads(store) == ()
+
+
+def test_a_head_the_worker_does_not_know_blocks_its_key(on_alias: str) -> None:
+    strict_pair(on_alias, record, "head")
+    stores = Stores(on_alias)
+    store = stores.relay()
+    (head,) = publish_heads(store)
+    # A worker without the task (a deploy under way) rejects the message.
+    task_unknown.send(
+        sender=None,
+        message=Message(body=head.envelope.body, headers=dict(head.envelope.headers)),
+        exc=KeyError(record.name),
+        name=record.name,
+        id=head.envelope.task_id,
+    )
+    assert wait_for_reports(10.0)
+    (blocked,) = stores.ordering().ordering_stats().blocked
+    assert blocked.id == head.id
+    assert "never registered" in blocked.last_error
