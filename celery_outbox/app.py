@@ -56,6 +56,9 @@ class OutboxCelery(Celery):
     control_cls = "celery_outbox.revoke:OutboxControl"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Given as an argument: Celery 5.4's Django fix-up replaces a task class
+        # it was not given so (5.5 on also keeps a subclass's attribute).
+        kwargs.setdefault("task_cls", self.task_cls)
         super().__init__(*args, **kwargs)
         self._outbox_enqueuer = Enqueuer(
             on_commit=self._publish_after_commit, on_expired=self._announce_expired

@@ -91,6 +91,9 @@ class StoredMessage:
     envelope: Envelope
     #: Seconds since the row was written, when claimed (database clock).
     age_seconds: float | None = None
+    #: Published before: a strict head claimed again once its running lease ended
+    #: (its worker did not report), not a first publish.
+    republish: bool = False
 
 
 def dump_json(value: Any) -> str:

@@ -160,7 +160,12 @@ class InboxMixin(_Base):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """INSERT the inbox row, then run the body; both commit, or neither."""
+        """INSERT the inbox row, then run the body; both commit, or neither.
+
+        A body that ends with ``Ignore`` (``self.replace()`` raises it too) commits:
+        Celery acknowledges its message and never delivers it again, so what the
+        body did (the replacement it sent, a result it stored itself) must stay.
+        """
         # Imported here: this class is resolved before Django's models are loaded.
         from .store import InboxStore, deadlocked
 
@@ -179,7 +184,11 @@ class InboxMixin(_Base):
                     if own and deadlocked(exc):
                         raise _Deadlocked from exc
                     raise
-                return self.run(*args, **kwargs)
+                try:
+                    return self.run(*args, **kwargs)
+                except Ignore as ignored:
+                    ended = ignored
+            raise ended
         finally:
             _open_request.reset(token)
 

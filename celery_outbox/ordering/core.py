@@ -4,7 +4,7 @@
   (a strict head is held, a failed head of a ``block`` key is blocked);
 * :func:`run_length`: how many rows of one key a claim may take after its head;
 * :func:`superseded`: which claimed rows coalescing drops;
-* :func:`report_for`: what a worker reports for a strict task's final state.
+* :func:`report_for`: how a worker settles a strict head for each way its task ended.
 """
 
 from __future__ import annotations
@@ -101,21 +101,57 @@ def superseded(
     )
 
 
+class Ending(enum.Enum):
+    """How Celery ended one delivery of a task, as its worker's signals tell it.
+
+    :mod:`celery_outbox.ordering.endings` turns each signal into one of these; the
+    table of which signal says what, in which process and Celery version, is there.
+    """
+
+    SUCCEEDED = "succeeded"  # the body returned
+    FAILED = "failed"  # the body raised, no retry left
+    RETRIED = "retried"  # self.retry()/autoretry, a retry after a lost worker, a cancel
+    REQUEUED = "requeued"  # Reject(requeue=True), a time limit's requeue (acks_late)
+    REJECTED = "rejected"  # Reject(requeue=False): the message is dropped
+    IGNORED = "ignored"  # Ignore: the task chose to record no state
+    REPLACED = "replaced"  # self.replace(): the replacement carries the task on
+    REVOKED = "revoked"  # revoked before it started
+    EXPIRED = "expired"  # its ``expires`` passed before it started
+    TERMINATED = "terminated"  # revoke(terminate=True) while it ran
+    TIMED_OUT = "timed_out"  # the hard time limit killed it
+    LOST = "lost"  # its worker process died under it (WorkerLostError)
+    REFUSED = "refused"  # the worker cannot run it (unknown task, invalid message)
+
+
 class Report(enum.Enum):
-    """What a worker writes back for a strict task."""
+    """What a worker writes back for an ended task: the one settlement of its row."""
 
     DONE = "done"  # the row goes, the next row of the key may be published
     FAILED = "failed"  # final failure: the key's policy decides (block or skip)
-    RETRYING = "retrying"  # the key stays held; the lease is renewed
-    NOTHING = "nothing"  # e.g. rejected and requeued: the lease decides
+    HELD = "held"  # it runs again by Celery's hand: the key stays held, lease renewed
+    AGAIN = "again"  # its run is lost: published again now, still in order
 
 
-def report_for(state: str) -> Report:
-    """The report for a task's state after a run (``task_postrun``'s ``state``)."""
-    if state in ("SUCCESS", "IGNORED"):
-        return Report.DONE
-    if state == "FAILURE":
-        return Report.FAILED
-    if state == "RETRY":
-        return Report.RETRYING
-    return Report.NOTHING
+#: Every ending's report. A revoke (in the queue, expired, terminated) is the
+#: caller's decision, as a revoke before publish is: the row goes and the key moves
+#: on. A lost worker process runs the task again (at least once, as documented).
+REPORTS: Mapping[Ending, Report] = {
+    Ending.SUCCEEDED: Report.DONE,
+    Ending.IGNORED: Report.DONE,
+    Ending.REVOKED: Report.DONE,
+    Ending.EXPIRED: Report.DONE,
+    Ending.TERMINATED: Report.DONE,
+    Ending.FAILED: Report.FAILED,
+    Ending.REJECTED: Report.FAILED,
+    Ending.TIMED_OUT: Report.FAILED,
+    Ending.REFUSED: Report.FAILED,
+    Ending.RETRIED: Report.HELD,
+    Ending.REQUEUED: Report.HELD,
+    Ending.REPLACED: Report.HELD,
+    Ending.LOST: Report.AGAIN,
+}
+
+
+def report_for(ending: Ending) -> Report:
+    """The settlement of a strict head whose task ended this way."""
+    return REPORTS[ending]

@@ -11,9 +11,13 @@ the old name still works and warns.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from celery.exceptions import Ignore
+
 from ..deprecation import deprecated
+from .endings import Replaced, strict_headers
 
 #: Task attributes that become call options when the call has a key.
 DEFAULTS = ("ordering", "ordering_policy", "coalesce")
@@ -45,6 +49,51 @@ class OrderingMixin(_Base):
                 if value is not None and options.get(name) is None:
                     options[name] = value
         return super().apply_async(*args, **options)
+
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's ``on_replace``; a strict head's replacement reports in its stead.
+
+        Celery gives the replacement the replaced task's id; it also gets the
+        head's ordering header, so that its own ending settles the head: the key
+        stays held until the work the head handed on is done. The head itself
+        ends with :class:`~.endings.Replaced` (an ``Ignore``).
+        """
+        headers = strict_headers(self.request)
+        if headers is None or not _carry(sig, str(self.request.id), headers):
+            return super().on_replace(sig)
+        try:
+            return super().on_replace(sig)
+        except Ignore as ignored:
+            raise Replaced(str(ignored)) from None
+
+
+def _carry(sig: Any, task_id: str, headers: Mapping[str, Any]) -> bool:
+    """Put ``headers`` on the step of ``sig`` that takes ``task_id``; False if none does."""
+    step = _step_taking(sig, task_id)
+    if step is None:
+        return False
+    step.options["headers"] = {**(step.options.get("headers") or {}), **headers}
+    return True
+
+
+def _step_taking(sig: Any, task_id: str) -> Any:
+    """The signature in ``sig`` that Celery's ``replace`` gave ``task_id``, or None.
+
+    A signature takes it itself; a chord (what Celery makes of a group) gives it to
+    its body; a chain to one of its steps (the replaced task's own chain comes
+    after it).
+    """
+    body = getattr(sig, "body", None)
+    if body is not None:
+        return _step_taking(body, task_id)
+    steps = getattr(sig, "tasks", None)
+    if steps is not None:
+        for step in steps:
+            found = _step_taking(step, task_id)
+            if found is not None:
+                return found
+        return None
+    return sig if sig.options.get("task_id") == task_id else None
 
 
 def __getattr__(name: str) -> Any:

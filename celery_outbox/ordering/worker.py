@@ -1,41 +1,44 @@
-"""The worker's side of strict ordering: report when a strict task is done.
+"""The worker's side of strict ordering: settle a strict head when its task ended.
 
 A strict head stays in the outbox, running, after it was published; the next row
-of its key waits for it. Celery's public ``task_postrun`` signal (connected by
-:class:`~celery_outbox.OutboxCelery`) tells the outbox that the task finished (the
-row goes, and on PostgreSQL the relay is woken at once), will be retried (the key
-stays held), or failed for good (the key's policy: block it, or dead-letter the head
-and go on).
+of its key waits for it. :mod:`.endings` connects Celery's signals (in the pool's
+child and in the worker's main process) and tells :func:`report` each way a strict
+task ended; :func:`~.core.report_for` says what becomes of its row: it goes (and on
+PostgreSQL the relay is woken at once), it stays held while the task runs again,
+it is published again now (its worker process died), or the key's policy applies
+(block it, or dead-letter the head and go on).
 
-The reports are written by a thread of the worker process (:class:`Reporter`), on
-a database connection of that thread: the task's process goes on to its next task
-at once, and Celery's Django fix-up, which closes the task thread's connections
-before and after every task, leaves the reporter's open. Before, each report
-opened a connection and waited for its commit, which cost a strict task more than
-its body. Nothing is published on a report's strength before it is committed, so
-order holds; a report still queued when its process is killed is lost like the
-report of a task killed mid-run: the head is published again once its running
-lease (``CELERY_OUTBOX_STRICT_LEASE_SECONDS``, counted from the publish) is over.
+The reports are written by a thread of the process that heard of the ending
+(:class:`Reporter`), on a database connection of that thread: the task's process
+goes on to its next task at once, and Celery's Django fix-up, which closes the task
+thread's connections before and after every task, leaves the reporter's open.
+Before, each report opened a connection and waited for its commit, which cost a
+strict task more than its body. Nothing is published on a report's strength before
+it is committed, so order holds; a report still queued when its process is killed
+is lost like the report of a task killed with its worker: the head is published
+again once its running lease (``CELERY_OUTBOX_STRICT_LEASE_SECONDS``, counted from
+the publish) is over.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from celery.signals import task_postrun, worker_process_shutdown, worker_shutdown
+from celery.signals import worker_process_shutdown, worker_shutdown
 from django.db import connections
 
 from ..conf import get_settings
 from ..exceptions import OutboxDatabaseError
 from ..store import OrderingStore, Stores, outbox_alias
+from . import endings
 from .core import Report, report_for
-from .options import HEADER, Ordering, is_strict
+from .endings import TaskEnd
+from .options import Ordering
 
 logger = logging.getLogger("celery_outbox.ordering")
 
@@ -45,28 +48,13 @@ SHUTDOWN_SECONDS = 10.0
 
 def install() -> None:
     """Connect the reporting receivers once per process (idempotent)."""
-    task_postrun.connect(
-        _finished, weak=False, dispatch_uid="celery_outbox.strict.post"
-    )
-    # A prefork pool's process sends the first, the worker (solo, threads) the second.
+    endings.install(report)
+    # A prefork pool's process sends the first, the worker (solo, threads, and the
+    # prefork pool's main process, which reports revokes and time limits) the second.
     for ending in (worker_process_shutdown, worker_shutdown):
         ending.connect(
             _stop_reporter, weak=False, dispatch_uid="celery_outbox.strict.stop"
         )
-
-
-def strict_headers(request: Any) -> Mapping[str, Any] | None:
-    """The delivered message's headers when it is a strict head, else None.
-
-    Custom headers reach ``request.headers`` (and, from a broker, also an attribute
-    of the request named after the header).
-    """
-    if request is None or getattr(request, "is_eager", False):
-        return None
-    headers = getattr(request, "headers", None) or {}
-    value = headers.get(HEADER) or getattr(request, HEADER, None)
-    found = {HEADER: value} if value else {}
-    return found if is_strict(found) else None
 
 
 def wait_for_reports(timeout: float = SHUTDOWN_SECONDS) -> bool:
@@ -74,43 +62,33 @@ def wait_for_reports(timeout: float = SHUTDOWN_SECONDS) -> bool:
     return REPORTER.wait(timeout)
 
 
-def _finished(
-    task: Any = None,
-    task_id: str = "",
-    retval: Any = None,
-    state: str = "",
-    **_: Any,
-) -> None:
-    headers = strict_headers(getattr(task, "request", None))
-    if headers is None:
-        return
-    report = report_for(state)
-    ordering = Ordering.read("", headers)
+def report(end: TaskEnd) -> None:
+    """Queue the settlement of a strict head whose task ended (``end``)."""
     try:
-        _queue_report(report, task_id, state, retval, ordering)
+        write = settlement(end, Ordering.read("", end.headers))
+        REPORTER.send(write, end.task_id, end.ending.value)
     except Exception:
         # The lease stays the safety net: the head is published again after it.
-        logger.exception("strict ordering: cannot report task %s (%s)", task_id, state)
-
-
-def _queue_report(
-    report: Report, task_id: str, state: str, retval: Any, ordering: Ordering
-) -> None:
-    row = ordering.row_token
-    if report is Report.DONE:
-        REPORTER.send(lambda store: store.task_done(task_id, row), task_id, state)
-    elif report is Report.RETRYING:
-        seconds = get_settings().strict_lease_seconds + _retry_delay(retval)
-        REPORTER.send(
-            lambda store: store.task_retrying(task_id, seconds, row), task_id, state
-        )
-    elif report is Report.FAILED:
-        REPORTER.send(
-            lambda store: _failed(store, task_id, retval, ordering), task_id, state
+        logger.exception(
+            "strict ordering: cannot report task %s (%s)", end.task_id, end.ending.value
         )
 
 
-def _failed(store: OrderingStore, task_id: str, exc: Any, ordering: Ordering) -> int:
+def settlement(end: TaskEnd, ordering: Ordering) -> Callable[[OrderingStore], int]:
+    """The store call that settles ``end``'s row, as :func:`~.core.report_for` says."""
+    task_id, row = end.task_id, ordering.row_token
+    decided = report_for(end.ending)
+    if decided is Report.DONE:
+        return lambda store: store.task_done(task_id, row)
+    if decided is Report.HELD:
+        seconds = get_settings().strict_lease_seconds + end.delay
+        return lambda store: store.task_retrying(task_id, seconds, row)
+    if decided is Report.AGAIN:
+        return lambda store: store.task_again(task_id, row)
+    return lambda store: _failed(store, end, ordering)
+
+
+def _failed(store: OrderingStore, end: TaskEnd, ordering: Ordering) -> int:
     """Apply the key's policy; a report refused once is sent again without its text.
 
     The store makes the text storable; should the report fail all the same, the
@@ -120,32 +98,12 @@ def _failed(store: OrderingStore, task_id: str, exc: Any, ordering: Ordering) ->
     """
     try:
         return store.task_failed(
-            task_id, _error(exc), ordering.policy, ordering.row_token
+            end.task_id, end.error, ordering.policy, ordering.row_token
         )
     except OutboxDatabaseError as refused:
         store.reset_connection()
-        kind = type(exc).__name__ if isinstance(exc, BaseException) else "failure"
-        note = f"{kind} (its text could not be recorded: {refused})"
-        return store.task_failed(task_id, note, ordering.policy, ordering.row_token)
-
-
-def _error(exc: Any) -> str:
-    if isinstance(exc, BaseException):
-        return f"{type(exc).__name__}: {exc}"
-    return str(exc)
-
-
-def _retry_delay(retry: Any) -> float:
-    """Seconds until a retried task runs again (``Retry.when``: seconds or an eta)."""
-    when = getattr(retry, "when", None)
-    if isinstance(when, (int, float)) and not isinstance(when, bool):
-        return max(0.0, float(when))
-    if isinstance(when, datetime.datetime):
-        now = datetime.datetime.now(when.tzinfo or datetime.timezone.utc)
-        if when.tzinfo is None:
-            now = now.replace(tzinfo=None)
-        return max(0.0, (when - now).total_seconds())
-    return 0.0
+        note = f"{end.kind or 'failure'} (its text could not be recorded: {refused})"
+        return store.task_failed(end.task_id, note, ordering.policy, ordering.row_token)
 
 
 # -- the reporter thread -----------------------------------------------------------

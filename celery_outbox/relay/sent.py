@@ -6,6 +6,11 @@ it. Through the outbox the call publishes nothing (the enqueue drops the event),
 the relay sends it instead, once the broker confirmed the message: one event per
 published message, with the fields Celery puts in it, through Celery's own event
 dispatcher. Only ``hostname``, ``pid``, ``clock`` and ``timestamp`` are the relay's.
+
+Once per message, as stock Celery sends it once per call: a strict head published
+again after its running lease (its worker never reported) is the same message sent
+again, as a broker redelivers one, and sends no second event. A retry is a message
+of its own, and has its own.
 """
 
 from __future__ import annotations
@@ -51,13 +56,14 @@ class TaskSentEvents:
         self.app = app
 
     def __call__(self, event: RelayObservation) -> None:
-        """Send the events of one settled batch (published and strict-held rows)."""
+        """Send the events of one settled batch (published and strict-held rows)
+        for the messages published for the first time."""
         if not isinstance(event, BatchSettled):
             return
         settlement = event.settlement
         published = set(settlement.delete)
         published.update(d.message_id for d in settlement.hold)
-        messages = [m for m in event.messages if m.id in published]
+        messages = [m for m in event.messages if m.id in published and not m.republish]
         if not messages:
             return
         with self.app.events.default_dispatcher() as dispatcher:

@@ -69,8 +69,9 @@ COLUMN_LIMITS = {
 #: (``due_at``), else its enqueue.
 WAITING_SINCE = "COALESCE(due_at, created_at)"
 
-#: What a claim returns for each row, in this order.
-CLAIM_COLUMNS = ("id", "attempts", *MESSAGE_COLUMNS)
+#: What a claim returns for each row, in this order. ``state`` tells a strict head
+#: published again after its running lease (``running``) from a first publish.
+CLAIM_COLUMNS = ("id", "attempts", *MESSAGE_COLUMNS, "state")
 
 
 class Dialect:

@@ -364,6 +364,23 @@ class OrderingQueries(StoreBase):
             )
             return int(cursor.rowcount)
 
+    def task_again(self, task_id: str, row_token: str | None = None) -> int:
+        """A strict task's run was lost (its worker process died): due again now.
+
+        It stays running (so its next publish is known as a publish again), and on
+        PostgreSQL listening relays are woken.
+        """
+        where, params = _reported_row(task_id, row_token)
+        with self._translated(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET available_at = {self.dialect.now()} "
+                f"WHERE {where}",
+                params,
+            )
+            changed = int(cursor.rowcount)
+            self._wake(cursor, changed)
+            return changed
+
     # -- operators -----------------------------------------------------------------
 
     def blocked_heads(self) -> tuple[BlockedHead, ...]:

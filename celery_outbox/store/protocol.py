@@ -197,6 +197,10 @@ class OrderingStore(Protocol):
         """A strict task will run again: its key stays held ``seconds`` from now."""
         ...
 
+    def task_again(self, task_id: str, row_token: str | None = None) -> int:
+        """A strict task's run was lost with its worker process: published again now."""
+        ...
+
     def reset_connection(self) -> None:
         """Drop a connection that failed, so that the next call reconnects."""
         ...

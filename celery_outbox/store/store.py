@@ -52,7 +52,7 @@ from .dialects import (
 )
 from .history import HistoryWriter
 from .notify import HINTS, remember_hint
-from .ordering import KeyedClaims
+from .ordering import RUNNING, KeyedClaims
 from .types import (
     Claim,
     SettleReport,
@@ -561,6 +561,7 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         declare_queues,
         arguments_preview,
         log_context,
+        state,
         age,
     ) = row
     check_payload_version(int(payload_version), int(row_id))
@@ -587,4 +588,5 @@ def _stored_message(row: Sequence[Any]) -> StoredMessage:
         int(attempts),
         envelope,
         age_seconds=None if age is None else max(0.0, float(age)),
+        republish=state == RUNNING,
     )

@@ -7,15 +7,27 @@ headers as the request, so the reports are the worker's own.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import shared_task
+from celery.app.task import Context
 from celery.app.trace import build_tracer
-from celery.signals import worker_process_shutdown
+from celery.exceptions import Reject, Retry, TimeLimitExceeded, WorkerLostError
+from celery.signals import (
+    task_failure,
+    task_received,
+    task_retry,
+    task_revoked,
+    task_unknown,
+    worker_process_shutdown,
+)
+from celery.worker.request import Request
 from django.db import connections, transaction
+from kombu.message import Message
 
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.models import DeadLetter, OutboxMessage
@@ -157,3 +169,188 @@ def test_a_retry_report_holds_its_own_row_not_another_with_the_task_id(
     assert ordering_store.task_retrying("caller-id", 3600.0, token) == 1
     assert rows.get(id=second.id).available_at == before
     assert rows.get(id=first.id).available_at > before
+
+
+# -- every way a task ends, each settling its head (the worker's signals) ------------
+
+
+@shared_task(name="tests.strict.rejects")
+def rejects(requeue: bool) -> None:
+    """Refuses its message, as a task may (``Reject``)."""
+    raise Reject("refused", requeue=requeue)
+
+
+def strict_pair(alias: str, task: Any, *args: Any, policy: str = "block") -> None:
+    """``task(*args)`` and a ``record`` after it, strict, in key K."""
+    with transaction.atomic(using=alias):
+        task.apply_async(
+            args, ordering_key="K", ordering="strict", ordering_policy=policy
+        )
+        record.apply_async(("next",), ordering_key="K", ordering="strict")
+
+
+def delivered(message: StoredMessage, task: Any) -> Request:
+    """The request a worker's main process makes of the published message."""
+    envelope = message.envelope
+    received = Message(
+        body=envelope.body,
+        content_type=envelope.content_type,
+        content_encoding=envelope.content_encoding,
+        headers=dict(envelope.headers),
+        properties=dict(envelope.properties),
+        delivery_info={},
+    )
+    request = Request(received, app=task.app, task=task)
+    task_received.send(sender=None, request=request)
+    return request
+
+
+def head_row(alias: str, message: StoredMessage) -> Any:
+    return OutboxMessage.objects.using(alias).filter(id=message.id).first()
+
+
+@pytest.mark.parametrize("policy", ["block", "skip"])
+def test_a_head_that_rejects_its_message_follows_its_policy(
+    on_alias: str, policy: str
+) -> None:
+    strict_pair(on_alias, rejects, False, policy=policy)
+    stores = Stores(on_alias)
+    store = stores.relay()
+    (head,) = publish_heads(store)
+    assert run_on_worker(head, rejects) == "REJECTED"
+    if policy == "block":
+        (blocked,) = stores.ordering().ordering_stats().blocked
+        assert blocked.id == head.id
+        assert blocked.last_error == "reject requeue=False: refused"
+        assert publish_heads(store) == ()
+    else:
+        dead = DeadLetter.objects.using(on_alias).get(original_id=head.id)
+        assert dead.last_error == "reject requeue=False: refused"
+        (following,) = publish_heads(store)
+        assert following.id > head.id
+
+
+def test_a_head_that_requeues_its_message_stays_held_for_a_new_lease(
+    on_alias: str, settings: Any
+) -> None:
+    settings.CELERY_OUTBOX_STRICT_LEASE_SECONDS = 3600.0
+    strict_pair(on_alias, rejects, True)
+    store = Stores(on_alias).relay()
+    (head,) = publish_heads(store)  # running for 300 s
+    before = head_row(on_alias, head).available_at
+    assert run_on_worker(head, rejects) == "REJECTED"
+    after = head_row(on_alias, head)
+    assert after.state == "running"
+    assert after.available_at - before > dt.timedelta(minutes=30)
+
+
+@pytest.mark.parametrize(
+    ("terminated", "expired"), [(False, False), (False, True), (True, False)]
+)
+def test_a_revoked_head_goes_and_its_key_moves_on(
+    on_alias: str, terminated: bool, expired: bool
+) -> None:
+    strict_pair(on_alias, record, "head")
+    store = Stores(on_alias).relay()
+    (head,) = publish_heads(store)
+    request = delivered(head, record)
+    # As the worker's main process announces it, in the queue or while it runs.
+    task_revoked.send(
+        sender=record,
+        request=Context(request.request_dict),
+        terminated=terminated,
+        signum=15 if terminated else None,
+        expired=expired,
+    )
+    assert wait_for_reports(10.0)
+    assert head_row(on_alias, head) is None
+    assert not DeadLetter.objects.using(on_alias).exists()
+    (following,) = publish_heads(store)
+    assert following.id > head.id
+
+
+def test_a_head_killed_by_its_hard_time_limit_blocks_its_key(on_alias: str) -> None:
+    strict_pair(on_alias, record, "head")
+    stores = Stores(on_alias)
+    store = stores.relay()
+    (head,) = publish_heads(store)
+    request = delivered(head, record)
+    # Sent by the worker's main process once the pool killed the child.
+    task_failure.send(
+        sender=record,
+        task_id=request.id,
+        exception=TimeLimitExceeded(1.0),
+        args=[],
+        kwargs={},
+        traceback=None,
+        einfo=None,
+    )
+    assert wait_for_reports(10.0)
+    (blocked,) = stores.ordering().ordering_stats().blocked
+    assert (blocked.id, blocked.last_error) == (head.id, "TimeLimitExceeded(1.0)")
+    assert publish_heads(store) == ()
+
+
+def test_a_head_whose_worker_process_died_is_published_again_at_once(
+    on_alias: str,
+) -> None:
+    strict_pair(on_alias, record, "head")
+    store = Stores(on_alias).relay()
+    (head,) = publish_heads(store)  # running for 300 s
+    request = delivered(head, record)
+    task_failure.send(
+        sender=record,
+        task_id=request.id,
+        exception=WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)."),
+        args=[],
+        kwargs={},
+        traceback=None,
+        einfo=None,
+    )
+    assert wait_for_reports(10.0)
+    (again,) = publish_heads(store)
+    assert again.id == head.id
+    assert again.republish
+
+
+def test_a_retried_head_stays_held_for_its_delay_and_a_lease(
+    on_alias: str, settings: Any
+) -> None:
+    settings.CELERY_OUTBOX_STRICT_LEASE_SECONDS = 600.0
+    strict_pair(on_alias, record, "head")
+    store = Stores(on_alias).relay()
+    (head,) = publish_heads(store)  # running for 300 s
+    before = head_row(on_alias, head).available_at
+    request = delivered(head, record)
+    # Sent by whichever process retried it: the task's (self.retry()), or the
+    # worker's main one (5.7's retry_on_worker_lost).
+    task_retry.send(
+        sender=record,
+        request=Context(request.request_dict),
+        reason=Retry(when=3000),
+        einfo=None,
+    )
+    assert wait_for_reports(10.0)
+    after = head_row(on_alias, head)
+    assert after.state == "running"
+    assert after.available_at - before > dt.timedelta(seconds=3000)
+    assert publish_heads(store) == ()
+
+
+def test_a_head_the_worker_does_not_know_blocks_its_key(on_alias: str) -> None:
+    strict_pair(on_alias, record, "head")
+    stores = Stores(on_alias)
+    store = stores.relay()
+    (head,) = publish_heads(store)
+    # A worker without the task (a deploy under way) rejects the message.
+    task_unknown.send(
+        sender=None,
+        message=Message(body=head.envelope.body, headers=dict(head.envelope.headers)),
+        exc=KeyError(record.name),
+        name=record.name,
+        id=head.envelope.task_id,
+    )
+    assert wait_for_reports(10.0)
+    (blocked,) = stores.ordering().ordering_stats().blocked
+    assert blocked.id == head.id
+    assert "never registered" in blocked.last_error

@@ -16,6 +16,7 @@ import gc
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -88,6 +89,8 @@ class SentEvents:
     def __init__(self, app: Celery, wanted: set[str]) -> None:
         self.app, self.wanted = app, wanted
         self.events: dict[str, dict[str, Any]] = {}
+        #: How many ``task-sent`` events each wanted id had.
+        self.counts: Counter[str] = Counter()
         self._connection = Connection(BROKER_AMQP, connect_timeout=5)
         self.ready = threading.Event()
         ready = self.ready
@@ -104,6 +107,7 @@ class SentEvents:
     def _keep(self, event: dict[str, Any]) -> None:
         if event.get("uuid") in self.wanted:
             self.events[str(event["uuid"])] = event
+            self.counts[str(event["uuid"])] += 1
 
     def _run(self) -> None:
         self.receiver.capture(limit=None, timeout=None, wakeup=False)
@@ -231,3 +235,50 @@ def test_no_event_unless_the_app_asks_for_it() -> None:
     finally:
         outbox.close()
         outbox_app_module._instances.discard(outbox)
+
+
+def test_a_strict_head_published_again_sends_no_second_event(settings: Any) -> None:
+    # No worker: the head's running lease ends, and the relay publishes it again.
+    settings.CELERY_OUTBOX_STRICT_LEASE_SECONDS = 0.2
+    queue = f"sent-{uuid.uuid4().hex[:8]}"
+    task_id, marker = f"strict-{uuid.uuid4()}", f"marker-{uuid.uuid4()}"
+    with app_pair(queue) as (plain, outbox):
+        events = SentEvents(plain, {task_id, marker})
+        events.start()
+        try:
+            with transaction.atomic():
+                outbox.send_task(
+                    "shop.record",
+                    args=("strict",),
+                    task_id=task_id,
+                    ordering_key="K",
+                    ordering="strict",
+                )
+            assert publish_times(outbox, 3) == 3  # the first and two after the lease
+            # Sent after the relay's: once it is in, theirs are too.
+            plain_call(plain, marker)
+            events.wait_for(2)
+        finally:
+            events.stop()
+    assert events.counts == {task_id: 1, marker: 1}
+
+
+def publish_times(app: OutboxCelery, wanted: int, timeout: float = 10.0) -> int:
+    """Run relay cycles until ``wanted`` of them published (or ``timeout``); how many did."""
+    settings = get_settings()
+    publisher = build_publisher(app, settings)
+    relay = Relay(
+        outbox_stores(settings).relay(),
+        publisher,
+        RelayConfig.from_settings(settings, until_empty=True),
+        observers=sent_event_observers(app),
+    )
+    published = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while published < wanted and time.monotonic() < deadline:
+            published += relay.run_once() is Cycle.PARTIAL
+            time.sleep(0.05)
+    finally:
+        publisher.close()
+    return published

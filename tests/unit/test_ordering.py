@@ -5,16 +5,30 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from celery.exceptions import (
+    Ignore,
+    Reject,
+    Retry,
+    TimeLimitExceeded,
+    WorkerLostError,
+)
 
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.exceptions import OutboxValueError
 from celery_outbox.ordering.core import (
+    Ending,
     Follower,
     Report,
     ordered_settlement,
     report_for,
     run_length,
     superseded,
+)
+from celery_outbox.ordering.endings import (
+    Replaced,
+    ending_after_run,
+    ending_of_failure,
+    ending_of_revoke,
 )
 from celery_outbox.ordering.options import HEADER, Ordering, Policy, pop_options
 from celery_outbox.outcomes import Action, Decision, Settlement
@@ -69,18 +83,76 @@ def test_only_rows_with_a_newer_row_of_their_group_are_superseded() -> None:
     assert superseded(claimed, {("k", "t"): 5, ("k", "u"): 2}) == frozenset({1})
 
 
+def test_every_ending_has_one_report() -> None:
+    assert {ending: report_for(ending) for ending in Ending} == {
+        Ending.SUCCEEDED: Report.DONE,
+        Ending.IGNORED: Report.DONE,
+        # A revoke is the caller's decision, as before publish: the key moves on.
+        Ending.REVOKED: Report.DONE,
+        Ending.EXPIRED: Report.DONE,
+        Ending.TERMINATED: Report.DONE,
+        Ending.FAILED: Report.FAILED,
+        Ending.REJECTED: Report.FAILED,
+        Ending.TIMED_OUT: Report.FAILED,
+        Ending.REFUSED: Report.FAILED,
+        Ending.RETRIED: Report.HELD,
+        Ending.REQUEUED: Report.HELD,
+        Ending.REPLACED: Report.HELD,
+        Ending.LOST: Report.AGAIN,
+    }
+
+
 @pytest.mark.parametrize(
-    ("state", "report"),
+    ("state", "retval", "ending"),
     [
-        ("SUCCESS", Report.DONE),
-        ("IGNORED", Report.DONE),
-        ("FAILURE", Report.FAILED),
-        ("RETRY", Report.RETRYING),
-        ("REJECTED", Report.NOTHING),
+        ("SUCCESS", 7, Ending.SUCCEEDED),
+        ("FAILURE", ValueError("x"), Ending.FAILED),
+        ("REJECTED", Reject("no", requeue=False), Ending.REJECTED),
+        ("REJECTED", Reject("later", requeue=True), Ending.REQUEUED),
+        ("IGNORED", Ignore(), Ending.IGNORED),
+        ("IGNORED", Replaced("Replaced by new task"), Ending.REPLACED),
+        ("RETRY", Retry(when=5), None),  # task_retry tells it
+        (None, None, None),  # cut short before a state
     ],
 )
-def test_a_workers_report_follows_the_tasks_state(state: str, report: Report) -> None:
-    assert report_for(state) is report
+def test_task_postrun_tells_the_ending_by_its_state_and_value(
+    state: str | None, retval: Any, ending: Ending | None
+) -> None:
+    assert ending_after_run(state, retval) is ending
+
+
+class Late:
+    """A task's acknowledgement options, as Celery 5.7 binds them."""
+
+    def __init__(self, acks_late: bool, acks_on_timeout: bool | None) -> None:
+        self.acks_late = acks_late
+        if acks_on_timeout is not None:
+            self.acks_on_timeout = acks_on_timeout
+
+
+@pytest.mark.parametrize(
+    ("exception", "task", "ending"),
+    [
+        (TimeLimitExceeded(2.0), Late(False, None), Ending.TIMED_OUT),
+        (TimeLimitExceeded(2.0), Late(True, True), Ending.TIMED_OUT),
+        # 5.7 requeues it after the signal; 5.4-5.6 (no acks_on_timeout) do not
+        # signal a requeue at all.
+        (TimeLimitExceeded(2.0), Late(True, False), Ending.REQUEUED),
+        (TimeLimitExceeded(2.0), Late(True, None), Ending.TIMED_OUT),
+        (WorkerLostError("signal 9"), Late(False, None), Ending.LOST),
+        (ValueError("its own"), Late(False, None), None),  # told by task_postrun
+    ],
+)
+def test_a_failure_in_the_workers_main_process_tells_its_ending(
+    exception: BaseException, task: Late, ending: Ending | None
+) -> None:
+    assert ending_of_failure(exception, task) is ending
+
+
+def test_a_revoke_tells_how_it_was_revoked() -> None:
+    assert ending_of_revoke(terminated=False, expired=False) is Ending.REVOKED
+    assert ending_of_revoke(terminated=False, expired=True) is Ending.EXPIRED
+    assert ending_of_revoke(terminated=True, expired=False) is Ending.TERMINATED
 
 
 def test_options_become_a_key_and_a_header_that_reads_back() -> None:

@@ -31,6 +31,7 @@ ROW: dict[str, Any] = {
     "declare_queues": '["mail"]',
     "arguments_preview": "(7,)",
     "log_context": '{"request_id": "r-1"}',
+    "state": None,
 }
 
 
@@ -64,6 +65,12 @@ def test_every_claimed_column_lands_in_its_field() -> None:
     assert envelope.declare == ("mail",)
     assert envelope.arguments_preview == "(7,)"
     assert dict(envelope.log_context) == {"request_id": "r-1"}
+    assert message.republish is False
+
+
+def test_a_running_row_claimed_again_is_a_republish() -> None:
+    # A strict head whose worker never reported: its running lease ended.
+    assert _stored_message(claimed(state="running")).republish is True
 
 
 def test_headers_keep_their_stored_text_until_read() -> None:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from celery import shared_task
+from celery.exceptions import Reject
 from django.db import transaction
 from django.dispatch import receiver
 
@@ -213,5 +214,29 @@ def ordered(self: Any, tag: str, seconds: float = 0.0, mode: str = "") -> str:
     if mode == "fail":
         raise ValueError(f"{tag} fails")
     time.sleep(seconds)
+    _record(self, tag)
+    return tag
+
+
+@shared_task(bind=True, name="shop.ending")
+def ending(self: Any, tag: str, how: str = "", seconds: float = 0.0) -> str:
+    """Record ``started:<tag>`` (the worker process's pid), then end as ``how`` says.
+
+    ``reject``: ``Reject(requeue=False)``; ``sleep``: sleep ``seconds`` (for a time
+    limit, a terminate or a kill to end it) on its first start only; ``retry``:
+    ``self.retry(countdown=seconds)`` on its first start only; ``replace``:
+    replaced by ``shop.ordered`` recording ``<tag>:replacement`` after ``seconds``.
+    Otherwise, or once its first run was cut short, it records ``<tag>``.
+    """
+    first = not TaskRun.objects.filter(tag=f"started:{tag}").exists()
+    _record(self, f"started:{tag}", os.getpid())
+    if how == "reject":
+        raise Reject(f"{tag} refused", requeue=False)
+    if how == "sleep" and first:
+        time.sleep(seconds)
+    if how == "retry" and first:
+        raise self.retry(countdown=seconds)
+    if how == "replace":
+        return self.replace(ordered.si(f"{tag}:replacement", seconds))  # type: ignore[no-any-return]
     _record(self, tag)
     return tag
