@@ -137,7 +137,16 @@ def make_certificates(folder: Path) -> Certificates:
         folder / "server.csr",
     )
     names = folder / "names.cnf"
-    names.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    # What Python 3.13's strict verification (VERIFY_X509_STRICT, on by default) asks
+    # of a server certificate, besides its names: the key of the CA that signed it.
+    names.write_text(
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+        "subjectKeyIdentifier=hash\n"
+        "basicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyAgreement\n"
+        "extendedKeyUsage=serverAuth\n"
+    )
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     for args in (
         [
@@ -152,6 +161,10 @@ def make_certificates(folder: Path) -> Certificates:
             "2",
             "-subj",
             "/CN=celery-outbox test CA",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
         ],
         ["req", *ec, "-keyout", key, "-out", request, "-subj", "/CN=localhost"],
         [
