@@ -69,7 +69,7 @@ def _address(variable: str, default: str, nowhere: str) -> str:
 
 _SQLITE_DIR = os.environ.get("OUTBOX_TEST_SQLITE_DIR", tempfile.gettempdir())
 POSTGRES = {
-    "ENGINE": "django.db.backends.postgresql",
+    "ENGINE": "tests.project.backends.postgresql",
     "NAME": os.environ.get("OUTBOX_PG_NAME", f"outbox_{RUN_ID}"),
     "USER": os.environ.get("OUTBOX_PG_USER", "postgres"),
     "HOST": _address("OUTBOX_PG_HOST", "127.0.0.1", "127.0.0.1"),
@@ -82,7 +82,7 @@ POSTGRES = {
     },
 }
 MYSQL = {
-    "ENGINE": "django.db.backends.mysql",
+    "ENGINE": "tests.project.backends.mysql",
     "NAME": os.environ.get("OUTBOX_MYSQL_NAME", f"outbox_{RUN_ID}"),
     "USER": os.environ.get("OUTBOX_MYSQL_USER", "root"),
     "PASSWORD": os.environ.get("OUTBOX_MYSQL_PASSWORD", ""),
@@ -91,7 +91,7 @@ MYSQL = {
     "OPTIONS": {"charset": "utf8mb4"},
 }
 SQLITE = {
-    "ENGINE": "django.db.backends.sqlite3",
+    "ENGINE": "tests.project.backends.sqlite3",
     "NAME": os.path.join(_SQLITE_DIR, f"outbox_{RUN_ID}.sqlite3"),
     "OPTIONS": {"timeout": 30},
     "TEST": {"NAME": os.path.join(_SQLITE_DIR, f"test_outbox_{RUN_ID}.sqlite3")},
