@@ -34,6 +34,7 @@ from ..exceptions import OutboxDatabaseError
 from ..outcomes import Action
 from ..store.handlers import HandlerLeases, Lease, LeaseLost, Pauses
 from ..store.handlers.sql import HandlerMembers, HandlerStore
+from ..text import unrecorded
 from .core import Plan, Row, after_failure, coalesce
 from .models import HandlerMessage
 from .observations import (
@@ -367,11 +368,7 @@ class Processor:
         try:
             self._call(store, lease, row, category, attempt)
         except _ReceiverFailed as failed:
-            exc = failed.error
-            error = "".join(
-                traceback.format_exception(type(exc), exc, exc.__traceback__)
-            )
-            return self._failed(store, lease, row, category, attempt, error)
+            return self._failed(store, lease, row, category, attempt, failed.error)
         return Action.DELETE
 
     def _call(
@@ -414,6 +411,36 @@ class Processor:
             store.complete(lease, row.id, seconds)
 
     def _failed(
+        self,
+        store: HandlerLeases,
+        lease: Lease,
+        row: Row,
+        category: Category | None,
+        attempt: int,
+        exc: BaseException,
+    ) -> Action:
+        """Charge the attempt: back the shard off, or dead-letter its head.
+
+        The store makes the traceback storable; should the database refuse it all the
+        same, the failure is recorded once more with a note in its place
+        (:func:`~celery_outbox.text.unrecorded`): the attempt still counts, instead
+        of the receiver running again at every pass with nothing charged.
+        """
+        error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            return self._charge(store, lease, row, category, attempt, error)
+        except OutboxDatabaseError as refused:
+            logger.error(
+                "handler %r failed on shard %r, and its error could not be recorded "
+                "(%s); recording a note instead",
+                row.category,
+                lease.shard,
+                refused,
+            )
+            note = unrecorded(exc, refused)
+            return self._charge(store, lease, row, category, attempt, note)
+
+    def _charge(
         self,
         store: HandlerLeases,
         lease: Lease,

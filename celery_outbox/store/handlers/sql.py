@@ -36,7 +36,9 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from ...exceptions import OutboxDatabaseError
+from ...exceptions import OutboxConfigurationError, OutboxDatabaseError, OutboxError
+from ...text import storable
+from ..base import missing_tables
 from .models import (
     HandlerCounter,
     HandlerDeadLetter,
@@ -62,21 +64,37 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+#: What a driver raises: the database's errors, and a value it cannot encode.
+_DRIVER_ERRORS = (DatabaseError, InterfaceError, UnicodeError)
+
+
 def translated(
     method: Callable[Concatenate[HandlerStore, _P], _R],
 ) -> Callable[Concatenate[HandlerStore, _P], _R]:
-    """Driver errors of ``method`` become :class:`OutboxDatabaseError`, naming the alias."""
+    """Driver errors of ``method`` become ours (:meth:`HandlerStore.translate`)."""
 
     @functools.wraps(method)
     def wrapper(store: HandlerStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return method(store, *args, **kwargs)
-        except (DatabaseError, InterfaceError) as exc:
-            raise OutboxDatabaseError(
-                f"handler database {store.using!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except _DRIVER_ERRORS as exc:
+            raise store.translate(exc) from exc
 
     return wrapper
+
+
+#: The handler app's tables: one missing means its migrations were not applied.
+HANDLER_TABLES = tuple(
+    model._meta.db_table
+    for model in (
+        HandlerMessage,
+        HandlerShard,
+        HandlerDeadLetter,
+        HandlerPause,
+        HandlerCounter,
+        HandlerProcessor,
+    )
+)
 
 
 #: The shard columns of a head that is not failing.
@@ -117,10 +135,23 @@ class HandlerStore:
         try:
             with transaction.atomic(using=self.using):
                 yield
-        except (DatabaseError, InterfaceError) as exc:
-            raise OutboxDatabaseError(
-                f"handler database {self.using!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except _DRIVER_ERRORS as exc:
+            raise self.translate(exc) from exc
+
+    def translate(self, exc: BaseException) -> OutboxError:
+        """A driver's error as ours: :class:`OutboxConfigurationError` naming the
+        migration when a handler table is missing, else :class:`OutboxDatabaseError`."""
+        missing = missing_tables(connections[self.using], HANDLER_TABLES)
+        if missing:
+            return OutboxConfigurationError(
+                f"table missing on handler database {self.using!r}: "
+                f"{', '.join(missing)}. Run: python manage.py migrate "
+                f"celery_outbox_handlers --database {self.using} (or leave "
+                f"{self.using!r} out of CELERY_OUTBOX_HANDLER_DATABASES)"
+            )
+        return OutboxDatabaseError(
+            f"handler database {self.using!r}: {type(exc).__name__}: {exc}"
+        )
 
     def reset_connection(self) -> None:
         """Close this thread's connection to the alias (the next call reconnects)."""
@@ -315,7 +346,7 @@ class HandlerStore:
             self._shards().filter(id=lease.pk, lease_token=lease.token).update(
                 attempts=attempts,
                 head_id=row.id,
-                last_error=error[-ERROR_LIMIT:],
+                last_error=storable(error, ERROR_LIMIT, keep_end=True),
                 failing_since=_failing_since(),
                 next_attempt_at=_later(delay),
                 lease_token=None,
@@ -339,7 +370,7 @@ class HandlerStore:
                 created_at=row.created_at,
                 died_at=Now(),
                 attempts=attempts,
-                last_error=error[-ERROR_LIMIT:],
+                last_error=storable(error, ERROR_LIMIT, keep_end=True),
             )
             self._messages().filter(id=row.id, shard=shard).delete()
             self._count(row.category, dead_lettered=1)
@@ -399,7 +430,11 @@ class HandlerStore:
         with transaction.atomic(using=self.using):
             if not processors.filter(id=relay_id).update(seen_at=Now()):
                 processors.bulk_create(
-                    [HandlerProcessor(id=relay_id, name=name[:255], seen_at=Now())],
+                    [
+                        HandlerProcessor(
+                            id=relay_id, name=storable(name, 255), seen_at=Now()
+                        )
+                    ],
                     ignore_conflicts=True,
                 )
 
@@ -469,7 +504,14 @@ class HandlerStore:
         if self.is_paused(kind, value):
             return False
         HandlerPause.objects.using(self.using).bulk_create(
-            [HandlerPause(kind=kind, value=value, reason=reason, created_at=Now())],
+            [
+                HandlerPause(
+                    kind=kind,
+                    value=value,
+                    reason=storable(reason),
+                    created_at=Now(),
+                )
+            ],
             ignore_conflicts=True,
         )
         return True

@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from ...exceptions import OutboxError
+from ...text import ERROR_LIMIT as _TEXT_LIMIT
 
 #: Widest shard key, category and object id (characters; fits a utf8mb4 unique index).
 KEY_LENGTH = 255
 
-#: Characters of a receiver's error kept on the shard and in a dead letter.
-ERROR_LIMIT = 4000
+#: Characters of a receiver's error kept on the shard and in a dead letter (its end).
+ERROR_LIMIT = _TEXT_LIMIT
 
 
 @dataclass(frozen=True)
