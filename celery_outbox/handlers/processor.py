@@ -322,8 +322,18 @@ class Processor:
         pauses: Pauses,
         read_at: float,
     ) -> bool:
-        """Run a window's rows; False when the shard stopped (failure or pause)."""
-        for row in plan.run:
+        """Run a window's rows; False when the shard stopped (failure, pause, stop).
+
+        The pauses are read again before every message after the first (the window's
+        read saw them for it): a pause stops a running shard at the next message, and
+        a stop ends it after the message in hand, not at the end of the window.
+        """
+        for index, row in enumerate(plan.run):
+            if index:
+                pauses = store.pauses()
+            if self.stopping or lease.shard in pauses.shards:
+                store.requeue(lease)
+                return False
             if row.category in pauses.categories:
                 store.hold(lease, row.category, self.config.pause_recheck_seconds)
                 return False

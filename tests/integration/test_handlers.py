@@ -289,6 +289,37 @@ def test_pause_and_resume_a_category_and_a_shard(
     assert not store.resume(HandlerPause.Kind.SHARD, "b")
 
 
+@pytest.mark.parametrize("switch", ["--name", "--key"])
+def test_a_pause_stops_a_running_shard_at_the_next_message(
+    alias: str, name: str, switch: str
+) -> None:
+    calls = Calls()
+    target = name if switch == "--name" else "org:1"
+
+    def pause_while_running(**kwargs: Any) -> None:
+        calls.add(**kwargs)
+        if len(calls.items) == 1:  # an operator pauses while the shard runs
+            call_command(
+                "outbox", "handlers", "pause", switch, target, "--database", alias
+            )
+
+    registry.add(Category(name, pause_while_running, coalesce=False, atomic=False))
+    try:
+        with transaction.atomic(using=alias):
+            for n in range(20):
+                emit(name, shard="org:1", object_id=n, payload=n, using=alias)
+        processor(alias, registry).run()
+        assert calls.payloads() == [0]  # the message in hand, and no other
+        assert HandlerMessage.objects.using(alias).count() == 19
+        call_command(
+            "outbox", "handlers", "resume", switch, target, "--database", alias
+        )
+        processor(alias, registry).run()
+        assert calls.payloads() == list(range(20))
+    finally:
+        registry.remove(name)
+
+
 def test_flush_on_commit_runs_in_the_writing_process(alias: str, name: str) -> None:
     calls = Calls()
     registry.add(Category(name, recorder(calls)))

@@ -257,3 +257,25 @@ def test_a_failure_whose_text_the_database_refuses_is_charged_with_a_note() -> N
         "OSError (its text could not be recorded: handler database 'memory': "
         "DataError: (1366, \"Incorrect string value: '\\xF0\\x9F"
     )
+
+
+def test_stop_ends_a_running_shard_after_the_message_in_hand() -> None:
+    tables = HandlerTables()
+    ran: list[Any] = []
+    categories = Registry()
+    run = processor(tables, categories)
+
+    def receive(*, payload: Any, **_: Any) -> None:
+        ran.append(payload)
+        run.stop()  # SIGTERM while the first message runs
+
+    categories.add(Category("c", receive, coalesce=False))
+    for n in range(5):
+        emit(tables, "c", "s", n, n)
+
+    assert run.run() is StopReason.SIGNAL
+
+    assert ran == [0]
+    assert len(tables.messages) == 4
+    shard = tables.shards["s"]
+    assert shard.lease_token is None  # given back, due for the next processor
