@@ -523,6 +523,15 @@ class HandlerStore:
         return bool(pauses.filter(kind=kind, value=value).exists())
 
     @translated
+    def knows_category(self, category: str) -> bool:
+        """Whether messages or dead letters of ``category`` are on this database."""
+        dead = HandlerDeadLetter.objects.using(self.using)
+        return bool(
+            self._messages().filter(category=category).exists()
+            or dead.filter(category=category).exists()
+        )
+
+    @translated
     def resume(self, kind: str, value: str) -> bool:
         """Lift a pause; the shards it stopped are due at once. False when none was set."""
         with transaction.atomic(using=self.using):
@@ -624,6 +633,7 @@ class HandlerStore:
         shard: str | None = None,
         coalesces: Callable[[str], bool] = lambda _category: False,
         chunk: int = 500,
+        dry_run: bool = False,
     ) -> ReplayReport:
         """Write dead letters back as new messages at the end of their shards.
 
@@ -632,7 +642,8 @@ class HandlerStore:
         after everything its shard already holds, with fresh attempts. One whose
         category ``coalesces`` and whose object has a newer message waiting in the
         shard is left in the dead letters: replaying it would put the older payload
-        after the newer one.
+        after the newer one. ``dry_run`` writes nothing and reports what would be
+        done.
         """
         dead = HandlerDeadLetter.objects.using(self.using).order_by("message_id", "id")
         if ids is not None:
@@ -642,26 +653,36 @@ class HandlerStore:
         if shard is not None:
             dead = dead.filter(shard=shard)
         replayed: list[int] = []
-        superseded = 0
+        superseded: list[int] = []
         after: tuple[int, int] = (-1, -1)
         while True:
             with transaction.atomic(using=self.using):
-                page = list(
-                    dead.filter(
-                        Q(message_id__gt=after[0])
-                        | Q(message_id=after[0], id__gt=after[1])
-                    ).select_for_update()[:chunk]
+                page_query = dead.filter(
+                    Q(message_id__gt=after[0]) | Q(message_id=after[0], id__gt=after[1])
                 )
+                if not dry_run:
+                    page_query = page_query.select_for_update()
+                page = list(page_query[:chunk])
                 if not page:
                     break
                 after = (page[-1].message_id, page[-1].id)
-                kept = [
-                    d for d in page if not (coalesces(d.category) and self._newer(d))
-                ]
-                superseded += len(page) - len(kept)
-                self._write_back(kept)
+                kept = []
+                for letter in page:
+                    if coalesces(letter.category) and self._newer(letter):
+                        superseded.append(letter.id)
+                    else:
+                        kept.append(letter)
+                if not dry_run:
+                    self._write_back(kept)
                 replayed.extend(d.id for d in kept)
-        return ReplayReport(self.using, len(replayed), superseded, tuple(replayed))
+        return ReplayReport(
+            self.using,
+            len(replayed),
+            len(superseded),
+            tuple(replayed),
+            tuple(superseded),
+            dry_run,
+        )
 
     def _newer(self, dead: HandlerDeadLetter) -> bool:
         """Whether a message of the dead letter's object, written after it, waits."""

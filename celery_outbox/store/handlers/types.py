@@ -87,6 +87,10 @@ class ReplayReport:
     superseded: int
     #: Ids of the dead letters replayed.
     ids: tuple[int, ...] = ()
+    #: Ids of the dead letters left (``superseded``).
+    superseded_ids: tuple[int, ...] = ()
+    #: Nothing was written: ``replayed`` counts what would have been.
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
