@@ -23,16 +23,21 @@ from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.handlers import emit
-from celery_outbox.handlers.models import HandlerDeadLetter, HandlerMessage
+from celery_outbox.handlers.models import (
+    HandlerDeadLetter,
+    HandlerMessage,
+    HandlerProcessor,
+)
 from celery_outbox.handlers.processor import Processor, ProcessorConfig
 from celery_outbox.handlers.registry import Category, Registry
-from celery_outbox.models import DeadLetter, HistoryEvent, OutboxMessage
+from celery_outbox.models import DeadLetter, HistoryEvent, OutboxMessage, RelayHeartbeat
 from celery_outbox.outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
 from celery_outbox.store import RelayStore, Stores
 from celery_outbox.store.dialects import CASE_CHUNK
 from celery_outbox.store.events import EventRows
+from celery_outbox.store.handlers.sql import HandlerStore
 from celery_outbox.text import REPLACEMENT
 
 from .builders import envelope
@@ -211,3 +216,15 @@ def test_a_receivers_error_that_cannot_be_stored_is_charged_then_dead_lettered(
     assert [d.attempts for d in dead] == [2, 2]
     for letter in dead:
         assert letter.last_error.endswith(f"ValueError: file name caf{REPLACEMENT}\n")
+
+
+def test_a_process_name_no_database_stores_is_recorded(alias: str) -> None:
+    """A heartbeat names its process ``host:pid``; Python decodes a host name that
+    is not UTF-8 with ``surrogateescape``. The first beat failed, and the relay or
+    processor with it."""
+    name = "caf\udce9-host:42"
+    Stores(alias).registry().beat("r" * 32, name)
+    HandlerStore(alias).beat("h" * 32, name)
+    recorded = f"caf{REPLACEMENT}-host:42"
+    assert RelayHeartbeat.objects.using(alias).get().name == recorded
+    assert HandlerProcessor.objects.using(alias).get().name == recorded
