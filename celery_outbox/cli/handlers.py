@@ -25,6 +25,8 @@ from .options import Streams, add_databases, add_format, add_top, positive
 from .selectors import Selection, add_selectors, is_glob
 
 HELP = "Handler outboxes: run their receivers, their backlog, dead letters, pauses."
+#: Dead letters ``replay`` writes back per transaction, unless ``--chunk-size``.
+REPLAY_CHUNK = 500
 
 
 def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
@@ -48,7 +50,7 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
         key="Shard key, e.g. org:42 (repeat for several).",
         everything="Every dead letter.",
         dry_run="Only say what would be replayed.",
-        chunk_size=500,
+        chunk_size=REPLAY_CHUNK,
     )
     add_databases(replay)
     replay.set_defaults(run=run_replay)
@@ -163,7 +165,7 @@ def run_replay(options: dict[str, Any], streams: Streams) -> None:
             ids=ids or None,
             category=category,
             shard=shard,
-            chunk=options["chunk_size"],
+            chunk=options.get("chunk_size", REPLAY_CHUNK),  # old spelling: none
             dry_run=selection.dry_run,
             write=streams.line,
         ):
