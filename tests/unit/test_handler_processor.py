@@ -279,3 +279,20 @@ def test_stop_ends_a_running_shard_after_the_message_in_hand() -> None:
     assert len(tables.messages) == 4
     shard = tables.shards["s"]
     assert shard.lease_token is None  # given back, due for the next processor
+
+
+def test_a_payload_that_is_not_json_fails_like_its_receiver_and_stops_nothing() -> None:
+    tables = HandlerTables()
+    ran: list[Any] = []
+    categories = Registry()
+    categories.add(
+        Category("c", lambda *, payload, **_: ran.append(payload), max_attempts=1)
+    )
+    MemoryHandlerStore(tables).write("c", "s", "1", "{edited by hand")
+    emit(tables, "c", "s", 2, "after")
+
+    assert processor(tables, categories).run() is StopReason.EMPTY
+
+    assert ran == ["after"]
+    (dead,) = tables.dead
+    assert dead.payload == "{edited by hand" and "JSONDecodeError" in dead.last_error
