@@ -32,7 +32,13 @@ from ..engine.loop import Loop, Pacing, Turn
 from ..engine.observations import LoopError, StopReason, notify
 from ..exceptions import OutboxDatabaseError
 from ..outcomes import Action
-from ..store.handlers import HandlerLeases, Lease, LeaseLost, Pauses
+from ..store.handlers import (
+    HandlerLeases,
+    Lease,
+    LeaseLost,
+    Pauses,
+    StatementRefused,
+)
 from ..store.handlers.sql import HandlerMembers, HandlerStore
 from ..text import unrecorded
 from .core import Plan, Row, after_failure, coalesce
@@ -392,7 +398,9 @@ class Processor:
         """Run the receiver and delete the message; a receiver's error is wrapped.
 
         The store's own errors (:class:`LeaseLost`, :class:`OutboxDatabaseError`)
-        pass through: they are not the receiver's fault.
+        pass through: they are not the receiver's fault. Except one: an atomic
+        receiver's transaction that the database refuses to complete
+        (:class:`StatementRefused`) failed with its receiver.
         """
         if category is None:
             raise _ReceiverFailed(
@@ -416,9 +424,14 @@ class Processor:
         }
         seconds = self.config.lease_seconds
         if category.atomic:
-            with store.atomic():
-                _receive(category, kwargs)
-                store.complete(lease, row.id, seconds)
+            try:
+                with store.atomic():
+                    _receive(category, kwargs)
+                    store.complete(lease, row.id, seconds)
+            except StatementRefused as exc:
+                # The receiver's transaction cannot commit (a database error it
+                # swallowed, a constraint checked at COMMIT): its failure, charged.
+                raise _ReceiverFailed(exc) from exc
             return
         _receive(category, kwargs)
         with store.atomic():

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
 
 from celery_outbox.exceptions import (
@@ -260,6 +260,49 @@ def test_an_atomic_receiver_commits_with_its_message_or_not_at_all(
     assert runs == [1, 2]
     assert TaskRun.objects.using(alias).filter(tag=tag).count() == 1
     assert not HandlerMessage.objects.using(alias).exists()
+
+
+def test_an_atomic_receiver_that_swallows_a_database_error_is_charged(
+    alias: str, name: str, categories: Registry
+) -> None:
+    """PostgreSQL aborts the transaction at the error: the message's deletion then
+    failed as if the database were down, and the receiver ran again at every pass
+    (120 times in 5 s), no attempt charged."""
+    runs: list[int] = []
+
+    def swallow(*, attempt: int, **_: Any) -> None:
+        runs.append(attempt)
+        try:
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT no_such_column FROM celery_outbox_handler_shard")
+        except DatabaseError:
+            pass  # the receiver's own mistake, hidden
+
+    categories.add(Category(name, swallow, max_attempts=2))
+    with transaction.atomic(using=alias):
+        emit(name, shard="a", object_id=1, using=alias)
+    run = processor(alias, categories, retry_base_seconds=0.01, until_empty=False)
+
+    def serve() -> None:
+        try:
+            run.run()
+        finally:
+            connections.close_all()  # this thread's
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while HandlerMessage.objects.using(alias).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.stop()
+    thread.join(10)
+    assert not HandlerMessage.objects.using(alias).exists()
+    if connections[alias].vendor == "postgresql":
+        assert runs == [1, 2]
+        dead = HandlerDeadLetter.objects.using(alias).get()
+        assert "current transaction is aborted" in dead.last_error
+    else:  # the transaction survives the error: the message is done
+        assert runs == [1]
 
 
 def test_pause_and_resume_a_category_and_a_shard(

@@ -18,7 +18,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
-from django.db import DatabaseError, InterfaceError, connections, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.db.models import (
     Count,
     DateTimeField,
@@ -58,6 +64,7 @@ from .types import (
     ReplayReport,
     Row,
     ShardDepth,
+    StatementRefused,
 )
 
 _P = ParamSpec("_P")
@@ -140,7 +147,8 @@ class HandlerStore:
 
     def translate(self, exc: BaseException) -> OutboxError:
         """A driver's error as ours: :class:`OutboxConfigurationError` naming the
-        migration when a handler table is missing, else :class:`OutboxDatabaseError`."""
+        migration when a handler table is missing; :class:`OutboxDatabaseError` for a
+        connection that failed; else :class:`StatementRefused`."""
         missing = missing_tables(connections[self.using], HANDLER_TABLES)
         if missing:
             return OutboxConfigurationError(
@@ -149,9 +157,9 @@ class HandlerStore:
                 f"celery_outbox_handlers --database {self.using} (or leave "
                 f"{self.using!r} out of CELERY_OUTBOX_HANDLER_DATABASES)"
             )
-        return OutboxDatabaseError(
-            f"handler database {self.using!r}: {type(exc).__name__}: {exc}"
-        )
+        lost = isinstance(exc, (OperationalError, InterfaceError))
+        kind = OutboxDatabaseError if lost else StatementRefused
+        return kind(f"handler database {self.using!r}: {type(exc).__name__}: {exc}")
 
     def reset_connection(self) -> None:
         """Close this thread's connection to the alias (the next call reconnects)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from ...exceptions import OutboxError
+from ...exceptions import OutboxDatabaseError, OutboxError
 from ...text import ERROR_LIMIT as _TEXT_LIMIT
 
 #: Widest shard key, category and object id (characters; fits a utf8mb4 unique index).
@@ -30,6 +30,12 @@ class Row:
 
 class LeaseLost(OutboxError):
     """The shard's lease ended and another processor may own it: the write was not made."""
+
+
+class StatementRefused(OutboxDatabaseError):
+    """The database answered, and refused a statement or the commit (not a lost
+    connection). In an atomic receiver's transaction, that is the receiver's failure:
+    one that swallowed a database error left PostgreSQL's transaction aborted."""
 
 
 @dataclass(frozen=True)
