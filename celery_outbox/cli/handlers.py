@@ -19,7 +19,7 @@ from django.core.management.base import CommandError
 
 from ..conf import get_settings
 from ..exceptions import OutboxDatabaseError
-from ..store.handlers import KEY_LENGTH, ReplayReport
+from ..store.handlers import KEY_LENGTH, ReplayReport, StatementRefused
 from ..text import check_text
 from .options import Streams, add_databases, add_format, add_top, positive
 from .selectors import Selection, add_selectors, is_glob
@@ -257,6 +257,8 @@ def _on(alias: str) -> Iterator[None]:
     """Work on handler database ``alias``: an error of it names it, with the fix."""
     try:
         yield
+    except StatementRefused as exc:  # it answered: not a connection to check
+        raise CommandError(str(exc)) from exc
     except OutboxDatabaseError as exc:
         raise CommandError(
             f"{exc}\nCheck that database {alias!r} runs and that DATABASES[{alias!r}] "
