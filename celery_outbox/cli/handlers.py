@@ -173,11 +173,11 @@ def run_replay(options: dict[str, Any], streams: Streams) -> None:
     missing = sorted(set(ids) - found)
     if missing:
         # The ids that matched were replayed; a script must still hear of the rest.
+        shown = ", ".join(map(str, missing[:10])) + (", ..." if missing[10:] else "")
         raise CommandError(
             f"{verb}: {len(missing)} of the {len(set(ids))} id(s) given match no "
-            f"handler dead letter on {', '.join(databases)} "
-            f"({', '.join(map(str, missing[:10]))}{', ...' if len(missing) > 10 else ''})"
-            f": already replayed or purged? Check the ids in the admin."
+            f"handler dead letter on {', '.join(databases)} ({shown}): already "
+            f"replayed or purged? Check the ids in the admin."
         )
 
 
