@@ -2,10 +2,12 @@
 
 Two directions, two rules:
 
-* **What we record** (an exception's text, a traceback, a broker's reason) must always
-  be storable, or the failure it describes cannot be recorded and is repeated forever.
-  :func:`storable` replaces what no database stores (NUL, lone surrogates) and bounds
-  the length; it never raises.
+* **What we record** (an exception's text, a traceback, a broker's reason, an
+  operator's reason, a process's name) must always be storable, or the failure it
+  describes cannot be recorded and is repeated forever. :func:`storable` replaces
+  what no database stores (NUL, lone surrogates) and bounds the length; it never
+  raises. Should a database refuse it all the same, :func:`unrecorded` is the note
+  recorded in its place, so that the failure still counts.
 * **What a caller names** (a key, a shard, a category, an id) must mean exactly what
   was written, so nothing is replaced: :func:`check_text` refuses it at the call with
   an :class:`~celery_outbox.exceptions.OutboxValueError` naming the value, the
@@ -23,16 +25,21 @@ ERROR_LIMIT = 4000
 #: What stands for a character no database stores (U+FFFD, the replacement character).
 REPLACEMENT = "\ufffd"
 _CUT = " [... cut, {} characters in all]"
+#: The same, before the end of a text kept by its end.
+_CUT_BEFORE = "[... cut, {} characters in all] "
 #: Surrogate code points: UTF-8 has no encoding for them, paired or not.
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
-def storable(text: str, limit: int | None = ERROR_LIMIT) -> str:
+def storable(
+    text: str, limit: int | None = ERROR_LIMIT, *, keep_end: bool = False
+) -> str:
     """``text`` with NUL and lone surrogates replaced, cut to at most ``limit`` characters.
 
     PostgreSQL refuses a NUL in text; neither PostgreSQL nor MySQL/MariaDB stores a
     lone surrogate (``'\\udc80'``, what Python decodes an undecodable byte to). The
-    start of the text is kept; a cut says how long the whole was.
+    start of the text is kept, or its end with ``keep_end`` (a traceback, whose last
+    line says what failed); a cut says how long the whole was.
     """
     if not isinstance(text, str):
         text = str(text)
@@ -41,11 +48,29 @@ def storable(text: str, limit: int | None = ERROR_LIMIT) -> str:
     if not text.isascii():
         text = _SURROGATES.sub(REPLACEMENT, text)
     if limit is not None and len(text) > limit:
+        if keep_end:
+            cut = _CUT_BEFORE.format(len(text))
+            if len(cut) >= limit:
+                return text[-limit:]
+            return cut + text[len(text) - (limit - len(cut)) :]
         cut = _CUT.format(len(text))
         if len(cut) >= limit:
             return text[:limit]
         text = text[: limit - len(cut)] + cut
     return text
+
+
+def unrecorded(failure: BaseException | str, refused: BaseException) -> str:
+    """What is recorded for ``failure`` when the database ``refused`` its text.
+
+    The failure's kind and why its text is missing, in ASCII (every column of every
+    database stores it), so that the failure still counts: an attempt charged, a
+    policy applied, instead of the same work running again at every lease.
+    """
+    kind = failure if isinstance(failure, str) else type(failure).__name__
+    note = f"{kind} (its text could not be recorded: {refused})"
+    escaped = note.encode("ascii", "backslashreplace").decode("ascii")
+    return storable(escaped.replace("\x00", "\\x00"))
 
 
 def unstorable_at(value: str) -> tuple[int, str] | None:

@@ -7,8 +7,10 @@ processor of :mod:`celery_outbox.handlers`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from fnmatch import fnmatchcase
 from typing import Any
@@ -16,10 +18,15 @@ from typing import Any
 from django.core.management.base import CommandError
 
 from ..conf import get_settings
+from ..exceptions import OutboxDatabaseError
+from ..store.handlers import KEY_LENGTH, ReplayReport, StatementRefused
+from ..text import check_text
 from .options import Streams, add_databases, add_format, add_top, positive
 from .selectors import Selection, add_selectors, is_glob
 
 HELP = "Handler outboxes: run their receivers, their backlog, dead letters, pauses."
+#: Dead letters ``replay`` writes back per transaction, unless ``--chunk-size``.
+REPLAY_CHUNK = 500
 
 
 def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
@@ -42,6 +49,8 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
         name="Category (receiver name) or glob over the registered ones.",
         key="Shard key, e.g. org:42 (repeat for several).",
         everything="Every dead letter.",
+        dry_run="Only say what would be replayed.",
+        chunk_size=REPLAY_CHUNK,
     )
     add_databases(replay)
     replay.set_defaults(run=run_replay)
@@ -139,20 +148,42 @@ def run_stats(options: dict[str, Any], streams: Streams) -> None:
 
 
 def run_replay(options: dict[str, Any], streams: Streams) -> None:
-    """Write the selected dead letters back."""
+    """Write the selected dead letters back; exit 1 for ids that match none."""
+    verb = "handlers replay"
     selection = Selection.of(options)
-    selection.require("handlers replay", "ids, --name GLOB, --key KEY")
+    selection.require(verb, "ids, --name GLOB, --key KEY")
     if len(selection.keys) > 1:
-        raise CommandError("handlers replay: give one --key (one shard) at a time")
+        raise CommandError(f"{verb}: give one --key (one shard) at a time")
+    ids = list(selection.numbers(verb))
+    shard = _checked(selection.keys[0], "--key", verb) if selection.keys else None
+    name = _checked(selection.name, "--name", verb) if selection.name else None
     databases = _databases(options["database"])
-    for category in _categories(selection.name):
-        _replay(
+    found: set[int] = set()
+    for category in _categories(name):
+        for report in _replay(
             databases,
-            ids=list(selection.numbers("handlers replay")) or None,
+            ids=ids or None,
             category=category,
-            shard=selection.keys[0] if selection.keys else None,
+            shard=shard,
+            chunk=options.get("chunk_size", REPLAY_CHUNK),  # old spelling: none
+            dry_run=selection.dry_run,
             write=streams.line,
+        ):
+            found.update(report.ids, report.superseded_ids)
+    missing = sorted(set(ids) - found)
+    if missing:
+        # The ids that matched were replayed; a script must still hear of the rest.
+        shown = ", ".join(map(str, missing[:10])) + (", ..." if missing[10:] else "")
+        raise CommandError(
+            f"{verb}: {len(missing)} of the {len(set(ids))} id(s) given match no "
+            f"handler dead letter on {', '.join(databases)} ({shown}): already "
+            f"replayed or purged? Check the ids in the admin."
         )
+
+
+def _checked(value: str, flag: str, verb: str) -> str:
+    """A category or shard key from the command line, as a table can hold it."""
+    return check_text(value, flag, verb, limit=KEY_LENGTH)
 
 
 def _categories(name: str | None) -> list[str | None]:
@@ -173,23 +204,68 @@ def _categories(name: str | None) -> list[str | None]:
 
 def run_switch(options: dict[str, Any], streams: Streams) -> None:
     """Pause or resume a category or a shard."""
-    kind, value = (
-        ("category", options["name"])
-        if options["name"] is not None
-        else ("shard", options["key"])
+    verb = f"handlers {options['verb']}"
+    kind, flag = (
+        ("category", "--name") if options["name"] is not None else ("shard", "--key")
     )
+    value = options["name"] if kind == "category" else options["key"]
     if not value:
-        raise CommandError(
-            f"give a non-empty --{'name' if kind == 'category' else 'key'}"
-        )
+        raise CommandError(f"{verb}: give a non-empty {flag}")
+    value = _checked(value, flag, verb)
+    databases = _databases(options["database"])
+    if kind == "category":
+        _require_category(value, databases, verb)
     _switch(
         options["verb"],
-        _databases(options["database"]),
+        databases,
         kind=kind,
         value=value,
         reason=options.get("reason", ""),
         write=streams.line,
     )
+
+
+def _require_category(name: str, databases: tuple[str, ...], verb: str) -> None:
+    """Refuse a ``--name`` no one knows: a typo must not say "paused".
+
+    Known: registered in this process, or paused, or with messages or dead letters
+    on one of ``databases`` (a category whose receiver is gone).
+    """
+    from ..handlers.registry import registry
+    from ..store.handlers.sql import HandlerStore
+
+    registered = registry.names()
+    if name in registered:
+        return
+    for alias in databases:
+        with _on(alias):
+            store = HandlerStore(alias)
+            if store.is_paused("category", name) or store.knows_category(name):
+                return
+    close = difflib.get_close_matches(name, registered, n=3)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise CommandError(
+        f"{verb}: --name {name!r} is no handler category: no receiver of it is "
+        f"registered in this process, and no message or dead letter of it is on "
+        f"{', '.join(databases)}.{hint} Registered categories: "
+        f"{', '.join(registered) or 'none (import your receivers in an AppConfig.ready())'}."
+    )
+
+
+@contextlib.contextmanager
+def _on(alias: str) -> Iterator[None]:
+    """Work on handler database ``alias``: an error of it names it, with the fix."""
+    try:
+        yield
+    except StatementRefused as exc:  # it answered: not a connection to check
+        raise CommandError(str(exc)) from exc
+    except OutboxDatabaseError as exc:
+        raise CommandError(
+            f"{exc}\nCheck that database {alias!r} runs and that DATABASES[{alias!r}] "
+            f"points at it (the handler databases: --database, else "
+            f"CELERY_OUTBOX_HANDLER_DATABASES, else every alias the router lets the "
+            f"handler tables migrate to)."
+        ) from exc
 
 
 # -- the work ------------------------------------------------------------------
@@ -247,7 +323,10 @@ def _print_stats(
     """Print the backlog of the handler outboxes on ``databases``."""
     from ..store.handlers.sql import HandlerStore
 
-    reports = [HandlerStore(alias).stats(top) for alias in databases]
+    reports = []
+    for alias in databases:
+        with _on(alias):
+            reports.append(HandlerStore(alias).stats(top))
     if fmt == "json":
         write(json.dumps([asdict(r) for r in reports], indent=2))
         return
@@ -284,23 +363,37 @@ def _replay(
     ids: list[int] | None,
     category: str | None,
     shard: str | None,
+    chunk: int,
+    dry_run: bool,
     write: Callable[[str], None],
-) -> None:
+) -> list[ReplayReport]:
     """Write the selected dead letters back at the end of their shards."""
     from ..handlers.registry import registry
     from ..store.handlers.sql import HandlerStore
 
+    reports = []
     for alias in databases:
-        report = HandlerStore(alias).replay(
-            ids=ids, category=category, shard=shard, coalesces=registry.coalesces
-        )
-        line = f"{alias}: {report.replayed} dead letter(s) replayed"
+        with _on(alias):
+            report = HandlerStore(alias).replay(
+                ids=ids,
+                category=category,
+                shard=shard,
+                coalesces=registry.coalesces,
+                chunk=chunk,
+                dry_run=dry_run,
+            )
+        reports.append(report)
+        if dry_run:
+            line = f"{alias}: would replay {report.replayed} dead letter(s) (dry run)"
+        else:
+            line = f"{alias}: {report.replayed} dead letter(s) replayed"
         if report.superseded:
             line += (
                 f"; {report.superseded} left (a newer message of their object "
                 f"waits in their shard)"
             )
         write(line)
+    return reports
 
 
 def _seconds(value: float | None) -> str:
@@ -321,10 +414,11 @@ def _switch(
 
     for alias in databases:
         store = HandlerStore(alias)
-        if command == "pause":
-            changed = store.pause(kind, value, reason)
-            state = "paused" if changed else "already paused"
-        else:
-            changed = store.resume(kind, value)
-            state = "resumed" if changed else "was not paused"
+        with _on(alias):
+            if command == "pause":
+                changed = store.pause(kind, value, reason)
+                state = "paused" if changed else "already paused"
+            else:
+                changed = store.resume(kind, value)
+                state = "resumed" if changed else "was not paused"
         write(f"{kind} {value!r} on {alias}: {state}")

@@ -1,10 +1,11 @@
 """Django admin for the handler outboxes: read-only lists, pauses as kill switches.
 
-A pause added here stops its category or shard within one processor pass; deleting
-it resumes, through :class:`~celery_outbox.store.handlers.sql.HandlerStore` so the shards
-it stopped are due at once. Dead letters can be replayed (written back at the end of
-their shards, as ``manage.py outbox handlers replay`` does). Lists show the router's
-database for these tables.
+A pause added here stops its category or shard at the next message a processor
+runs; deleting it resumes, through
+:class:`~celery_outbox.store.handlers.sql.HandlerStore` so the shards it stopped are
+due at once. Dead letters can be replayed (written back at the end of their shards,
+as ``manage.py outbox handlers replay`` does). Lists show the router's database for
+these tables.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.backoff import backoff
+from ..exceptions import OutboxValueError
 from ..outcomes import Action, Decision
 from ..store.handlers.types import KEY_LENGTH, Row
 
@@ -81,14 +82,24 @@ def after_failure(
 
 
 def shard_key(shard: str | Iterable[Any]) -> str:
-    """``"org:42"`` from ``("org", 42)``; a string is used as it is."""
+    """``"org:42"`` from ``("org", 42)``; a string is used as it is.
+
+    :func:`~celery_outbox.handlers.emit` then checks the key as it checks the
+    category and the object id (not empty, storable, at most ``KEY_LENGTH``).
+    """
     if isinstance(shard, str):
         key = shard
     else:
         parts = [str(part) for part in shard]
         if not parts:
-            raise ValueError("a shard needs at least one part, e.g. ('org', 42)")
+            raise OutboxValueError(
+                "Cannot emit a handler message: a shard needs at least one part, "
+                "e.g. ('org', 42). Nothing was written."
+            )
         key = ":".join(parts)
     if not key:
-        raise ValueError("the shard key is empty")
+        raise OutboxValueError(
+            "Cannot emit a handler message: the shard key is empty. Nothing was "
+            "written."
+        )
     return key

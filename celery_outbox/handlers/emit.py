@@ -19,6 +19,7 @@ from ..exceptions import (
     OutboxSerializationError,
     OutboxValueError,
 )
+from ..text import check_text
 from .core import KEY_LENGTH, shard_key
 
 logger = logging.getLogger("celery_outbox.handlers")
@@ -78,18 +79,10 @@ def emit(
     shard in this process after commit, False never; None follows
     :func:`outbox_context`.
     """
-    key = shard_key(shard)
-    identifier = str(object_id)
-    for name, value in (
-        ("category", category),
-        ("shard", key),
-        ("object_id", identifier),
-    ):
-        if not value or len(value) > KEY_LENGTH:
-            raise OutboxValueError(
-                f"the handler message's {name} must be 1 to {KEY_LENGTH} characters, "
-                f"got {len(value)}: {value[:80]!r}"
-            )
+    category = _key(category, "category", "Cannot emit a handler message")
+    where = f"Cannot emit a handler message of category {category!r}"
+    key = _key(shard_key(shard), "shard", where)
+    identifier = _key(str(object_id), "object_id", where)
     try:
         text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
@@ -107,6 +100,19 @@ def emit(
         _flush_on_commit(alias, {key})
     elif flush is None and scope is not None and scope.flush:
         scope.written.setdefault(alias, set()).add(key)
+
+
+def _key(value: object, what: str, where: str) -> str:
+    """``value`` if its column stores it exactly; else :class:`OutboxValueError`.
+
+    Checked before any statement, so the caller's transaction stays usable.
+    """
+    if value == "":
+        raise OutboxValueError(
+            f"{where}: {what} is empty; give 1 to {KEY_LENGTH} characters. Nothing "
+            f"was written."
+        )
+    return check_text(value, what, where, limit=KEY_LENGTH)
 
 
 def _default_alias() -> str:

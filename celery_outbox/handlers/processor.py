@@ -32,8 +32,15 @@ from ..engine.loop import Loop, Pacing, Turn
 from ..engine.observations import LoopError, StopReason, notify
 from ..exceptions import OutboxDatabaseError
 from ..outcomes import Action
-from ..store.handlers import HandlerLeases, Lease, LeaseLost, Pauses
+from ..store.handlers import (
+    HandlerLeases,
+    Lease,
+    LeaseLost,
+    Pauses,
+    StatementRefused,
+)
 from ..store.handlers.sql import HandlerMembers, HandlerStore
+from ..text import unrecorded
 from .core import Plan, Row, after_failure, coalesce
 from .models import HandlerMessage
 from .observations import (
@@ -321,8 +328,18 @@ class Processor:
         pauses: Pauses,
         read_at: float,
     ) -> bool:
-        """Run a window's rows; False when the shard stopped (failure or pause)."""
-        for row in plan.run:
+        """Run a window's rows; False when the shard stopped (failure, pause, stop).
+
+        The pauses are read again before every message after the first (the window's
+        read saw them for it): a pause stops a running shard at the next message, and
+        a stop ends it after the message in hand, not at the end of the window.
+        """
+        for index, row in enumerate(plan.run):
+            if index:
+                pauses = store.pauses()
+            if self.stopping or lease.shard in pauses.shards:
+                store.requeue(lease)
+                return False
             if row.category in pauses.categories:
                 store.hold(lease, row.category, self.config.pause_recheck_seconds)
                 return False
@@ -367,11 +384,7 @@ class Processor:
         try:
             self._call(store, lease, row, category, attempt)
         except _ReceiverFailed as failed:
-            exc = failed.error
-            error = "".join(
-                traceback.format_exception(type(exc), exc, exc.__traceback__)
-            )
-            return self._failed(store, lease, row, category, attempt, error)
+            return self._failed(store, lease, row, category, attempt, failed.error)
         return Action.DELETE
 
     def _call(
@@ -385,7 +398,9 @@ class Processor:
         """Run the receiver and delete the message; a receiver's error is wrapped.
 
         The store's own errors (:class:`LeaseLost`, :class:`OutboxDatabaseError`)
-        pass through: they are not the receiver's fault.
+        pass through: they are not the receiver's fault. Except one: an atomic
+        receiver's transaction that the database refuses to complete
+        (:class:`StatementRefused`) failed with its receiver.
         """
         if category is None:
             raise _ReceiverFailed(
@@ -394,10 +409,14 @@ class Processor:
                     f"{row.category!r} in this process"
                 )
             )
+        try:
+            payload = json.loads(row.payload)
+        except ValueError as exc:  # edited by hand: fails like its receiver would
+            raise _ReceiverFailed(exc) from exc
         kwargs = {
             "shard": lease.shard,
             "object_id": row.object_id,
-            "payload": json.loads(row.payload),
+            "payload": payload,
             "category": row.category,
             "message_id": row.id,
             "attempt": attempt,
@@ -405,15 +424,50 @@ class Processor:
         }
         seconds = self.config.lease_seconds
         if category.atomic:
-            with store.atomic():
-                _receive(category, kwargs)
-                store.complete(lease, row.id, seconds)
+            try:
+                with store.atomic():
+                    _receive(category, kwargs)
+                    store.complete(lease, row.id, seconds)
+            except StatementRefused as exc:
+                # The receiver's transaction cannot commit (a database error it
+                # swallowed, a constraint checked at COMMIT): its failure, charged.
+                raise _ReceiverFailed(exc) from exc
             return
         _receive(category, kwargs)
         with store.atomic():
             store.complete(lease, row.id, seconds)
 
     def _failed(
+        self,
+        store: HandlerLeases,
+        lease: Lease,
+        row: Row,
+        category: Category | None,
+        attempt: int,
+        exc: BaseException,
+    ) -> Action:
+        """Charge the attempt: back the shard off, or dead-letter its head.
+
+        The store makes the traceback storable; should the database refuse it all the
+        same, the failure is recorded once more with a note in its place
+        (:func:`~celery_outbox.text.unrecorded`): the attempt still counts, instead
+        of the receiver running again at every pass with nothing charged.
+        """
+        error = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            return self._charge(store, lease, row, category, attempt, error)
+        except OutboxDatabaseError as refused:
+            logger.error(
+                "handler %r failed on shard %r, and its error could not be recorded "
+                "(%s); recording a note instead",
+                row.category,
+                lease.shard,
+                refused,
+            )
+            note = unrecorded(exc, refused)
+            return self._charge(store, lease, row, category, attempt, note)
+
+    def _charge(
         self,
         store: HandlerLeases,
         lease: Lease,

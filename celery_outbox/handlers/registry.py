@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..exceptions import OutboxConfigurationError
+from ..exceptions import OutboxConfigurationError, OutboxValueError
+from ..store.handlers.types import KEY_LENGTH
+from ..text import check_text
 
 #: ``receiver(*, shard, object_id, payload, category, message_id, attempt, created_at)``.
 Receiver = Callable[..., Any]
@@ -39,6 +41,15 @@ class Registry:
         """Register a category; a second receiver for the same name is refused."""
         if not category.name:
             raise OutboxConfigurationError("a handler category needs a name")
+        try:
+            check_text(
+                category.name,
+                "category",
+                "Cannot register a handler receiver",
+                limit=KEY_LENGTH,
+            )
+        except OutboxValueError as exc:  # a mistake in the code, found at import
+            raise OutboxConfigurationError(str(exc)) from None
         if category.max_attempts is not None and category.max_attempts < 1:
             raise OutboxConfigurationError(
                 f"max_attempts of handler category {category.name!r} must be a "

@@ -106,16 +106,20 @@ class StoreBase:
             ) from exc
 
     def _missing_tables(self) -> list[str]:
-        """The outbox tables the database lacks, when it can say (after an error).
+        """The outbox tables the database lacks, when it can say (after an error)."""
+        return missing_tables(self.connection, TABLES)
 
-        Asked only outside a transaction: inside one, PostgreSQL refuses every
-        statement after an error.
-        """
-        connection = self.connection
-        if connection.in_atomic_block:
-            return []
-        try:
-            tables = set(connection.introspection.table_names())
-        except Exception:  # unreachable, or worse: the first error says enough
-            return []
-        return [table for table in TABLES if table not in tables]
+
+def missing_tables(connection: BaseDatabaseWrapper, tables: Sequence[str]) -> list[str]:
+    """Which of ``tables`` the database lacks, when it can say (after an error).
+
+    Asked only outside a transaction: inside one, PostgreSQL refuses every
+    statement after an error.
+    """
+    if connection.in_atomic_block:
+        return []
+    try:
+        present = set(connection.introspection.table_names())
+    except Exception:  # unreachable, or worse: the first error says enough
+        return []
+    return [table for table in tables if table not in present]

@@ -114,7 +114,7 @@ class MessageTrace:
 
 def process_name() -> str:
     """``host:pid`` of this process, as a relay's heartbeat names it."""
-    return f"{socket.gethostname()}:{os.getpid()}"[:255]
+    return storable(f"{socket.gethostname()}:{os.getpid()}", 255)
 
 
 class HistoryWriter(StoreBase):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from django.db import transaction
 
+from ..text import storable
 from .base import StoreBase
 from .dialects import MESSAGE_TABLE, RELAY_TABLE, placeholders
 
@@ -41,7 +42,7 @@ class RelayRegistry(StoreBase):
                 cursor.execute(
                     f"INSERT INTO {RELAY_TABLE} (id, name, seen_at) "
                     f"VALUES (%s, %s, {now})",
-                    [relay_id, name[:255]],
+                    [relay_id, storable(name, 255)],
                 )
 
     def take_over(self, stale_seconds: float) -> int:

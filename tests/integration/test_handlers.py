@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
 
 from celery_outbox.exceptions import (
@@ -262,6 +262,49 @@ def test_an_atomic_receiver_commits_with_its_message_or_not_at_all(
     assert not HandlerMessage.objects.using(alias).exists()
 
 
+def test_an_atomic_receiver_that_swallows_a_database_error_is_charged(
+    alias: str, name: str, categories: Registry
+) -> None:
+    """PostgreSQL aborts the transaction at the error: the message's deletion then
+    failed as if the database were down, and the receiver ran again at every pass
+    (120 times in 5 s), no attempt charged."""
+    runs: list[int] = []
+
+    def swallow(*, attempt: int, **_: Any) -> None:
+        runs.append(attempt)
+        try:
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT no_such_column FROM celery_outbox_handler_shard")
+        except DatabaseError:
+            pass  # the receiver's own mistake, hidden
+
+    categories.add(Category(name, swallow, max_attempts=2))
+    with transaction.atomic(using=alias):
+        emit(name, shard="a", object_id=1, using=alias)
+    run = processor(alias, categories, retry_base_seconds=0.01, until_empty=False)
+
+    def serve() -> None:
+        try:
+            run.run()
+        finally:
+            connections.close_all()  # this thread's
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while HandlerMessage.objects.using(alias).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.stop()
+    thread.join(10)
+    assert not HandlerMessage.objects.using(alias).exists()
+    if connections[alias].vendor == "postgresql":
+        assert runs == [1, 2]
+        dead = HandlerDeadLetter.objects.using(alias).get()
+        assert "current transaction is aborted" in dead.last_error
+    else:  # the transaction survives the error: the message is done
+        assert runs == [1]
+
+
 def test_pause_and_resume_a_category_and_a_shard(
     alias: str, name: str, categories: Registry
 ) -> None:
@@ -287,6 +330,37 @@ def test_pause_and_resume_a_category_and_a_shard(
     processor(alias, categories).run()
     assert calls.payloads() == ["a", "b"]
     assert not store.resume(HandlerPause.Kind.SHARD, "b")
+
+
+@pytest.mark.parametrize("switch", ["--name", "--key"])
+def test_a_pause_stops_a_running_shard_at_the_next_message(
+    alias: str, name: str, switch: str
+) -> None:
+    calls = Calls()
+    target = name if switch == "--name" else "org:1"
+
+    def pause_while_running(**kwargs: Any) -> None:
+        calls.add(**kwargs)
+        if len(calls.items) == 1:  # an operator pauses while the shard runs
+            call_command(
+                "outbox", "handlers", "pause", switch, target, "--database", alias
+            )
+
+    registry.add(Category(name, pause_while_running, coalesce=False, atomic=False))
+    try:
+        with transaction.atomic(using=alias):
+            for n in range(20):
+                emit(name, shard="org:1", object_id=n, payload=n, using=alias)
+        processor(alias, registry).run()
+        assert calls.payloads() == [0]  # the message in hand, and no other
+        assert HandlerMessage.objects.using(alias).count() == 19
+        call_command(
+            "outbox", "handlers", "resume", switch, target, "--database", alias
+        )
+        processor(alias, registry).run()
+        assert calls.payloads() == list(range(20))
+    finally:
+        registry.remove(name)
 
 
 def test_flush_on_commit_runs_in_the_writing_process(alias: str, name: str) -> None:

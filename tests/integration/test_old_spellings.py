@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from celery_outbox.handlers.models import HandlerDeadLetter
-from celery_outbox.handlers.registry import Registry
+from celery_outbox.handlers.registry import Category, Registry, registry
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.store import Stores
 
@@ -109,8 +109,16 @@ def test_outbox_handler_replay(name: str) -> None:
     assert not HandlerDeadLetter.objects.using(ALIAS).exists()
 
 
+@pytest.fixture
+def registered(name: str) -> Iterator[str]:
+    """``name`` registered in this process (a pause refuses a name no one knows)."""
+    registry.add(Category(name, lambda **kw: None))
+    yield name
+    registry.remove(name)
+
+
 @pytest.mark.parametrize("verb", ["pause", "resume"])
-def test_outbox_pause_and_resume(name: str, verb: str) -> None:
+def test_outbox_pause_and_resume(name: str, verb: str, registered: str) -> None:
     if verb == "resume":
         call_command("outbox", "handlers", "pause", "--name", name, stdout=StringIO())
     out = old(

@@ -2,13 +2,17 @@
 
 A reason holding a NUL (PostgreSQL cannot store it) or a lone surrogate (no database
 stores it as UTF-8) used to make the settlement fail: the row was published again at
-lease pace and never reached the dead letters. Reasons now go through
+lease pace and never reached the dead letters. A receiver's exception holding one
+stopped every handler shard (the processor exited), or ran a non-atomic receiver again
+and again with no attempt charged. Reasons and errors now go through
 :func:`celery_outbox.text.storable` on their way to every table.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -18,13 +22,22 @@ from django.test.utils import CaptureQueriesContext
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
-from celery_outbox.models import DeadLetter, HistoryEvent, OutboxMessage
+from celery_outbox.handlers import emit
+from celery_outbox.handlers.models import (
+    HandlerDeadLetter,
+    HandlerMessage,
+    HandlerProcessor,
+)
+from celery_outbox.handlers.processor import Processor, ProcessorConfig
+from celery_outbox.handlers.registry import Category, Registry
+from celery_outbox.models import DeadLetter, HistoryEvent, OutboxMessage, RelayHeartbeat
 from celery_outbox.outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
 from celery_outbox.store import RelayStore, Stores
 from celery_outbox.store.dialects import CASE_CHUNK
 from celery_outbox.store.events import EventRows
+from celery_outbox.store.handlers.sql import HandlerStore
 from celery_outbox.text import REPLACEMENT
 
 from .builders import envelope
@@ -149,3 +162,69 @@ def test_no_settling_statement_grows_with_the_batch(alias: str, kind: str) -> No
         dead = DeadLetter.objects.using(alias).order_by("id").last()
         assert dead is not None and dead.last_error == f"refused {dead.original_id}"
     assert HistoryEvent.objects.using(alias).count() == rows
+
+
+#: What a receiver's exception may say: a file name Python decoded with
+#: ``surrogateescape``, or a NUL.
+RECEIVER_ERRORS = {"surrogate": "file name caf\udce9", "NUL": "file name caf\x00"}
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "non-atomic"])
+@pytest.mark.parametrize("text", list(RECEIVER_ERRORS))
+def test_a_receivers_error_that_cannot_be_stored_is_charged_then_dead_lettered(
+    alias: str, text: str, atomic: bool
+) -> None:
+    name = f"test.{uuid.uuid4().hex[:8]}"
+    runs: list[int] = []
+
+    def receive(*, attempt: int, **_: Any) -> None:
+        runs.append(attempt)
+        raise ValueError(RECEIVER_ERRORS[text])
+
+    categories = Registry()
+    categories.add(Category(name, receive, max_attempts=2, atomic=atomic))
+    with transaction.atomic(using=alias):
+        emit(name, shard="files", object_id=1, using=alias)
+        emit(name, shard="files", object_id=2, using=alias)
+    config = ProcessorConfig(
+        databases=(alias,),
+        retry_base_seconds=0.01,
+        retry_max_seconds=0.02,
+        poll_interval=0.02,
+        heartbeat_interval=None,
+    )
+    processor = Processor(config, categories)
+
+    def serve() -> None:
+        try:
+            processor.run()
+        finally:
+            connections.close_all()  # this thread's
+
+    # Until stopped, as `outbox handlers run` runs: it must neither die nor spin.
+    thread = threading.Thread(target=serve)
+    thread.start()
+    deadline = time.monotonic() + 10
+    messages = HandlerMessage.objects.using(alias)
+    while messages.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    processor.stop()
+    thread.join(10)
+    # Each message ran twice and went to the dead letters: the shard went on.
+    assert runs == [1, 2, 1, 2]
+    dead = HandlerDeadLetter.objects.using(alias).order_by("message_id")
+    assert [d.attempts for d in dead] == [2, 2]
+    for letter in dead:
+        assert letter.last_error.endswith(f"ValueError: file name caf{REPLACEMENT}\n")
+
+
+def test_a_process_name_no_database_stores_is_recorded(alias: str) -> None:
+    """A heartbeat names its process ``host:pid``; Python decodes a host name that
+    is not UTF-8 with ``surrogateescape``. The first beat failed, and the relay or
+    processor with it."""
+    name = "caf\udce9-host:42"
+    Stores(alias).registry().beat("r" * 32, name)
+    HandlerStore(alias).beat("h" * 32, name)
+    recorded = f"caf{REPLACEMENT}-host:42"
+    assert RelayHeartbeat.objects.using(alias).get().name == recorded
+    assert HandlerProcessor.objects.using(alias).get().name == recorded

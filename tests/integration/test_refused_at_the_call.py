@@ -19,6 +19,8 @@ from django.db import transaction
 
 from celery_outbox import OutboxCelery
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxValueError
+from celery_outbox.handlers import emit
+from celery_outbox.handlers.models import HandlerMessage
 from celery_outbox.inbox.models import InboxEntry
 from celery_outbox.models import DedupKey, OutboxMessage
 from tests.project.celery_app import app
@@ -125,3 +127,60 @@ def test_event_and_subscriber_names_no_table_holds_are_refused(
     message = str(caught.value)
     assert f"at position {position}" in message
     assert ("NUL" in message) or ("lone surrogate" in message)
+
+
+#: ``emit()`` calls with a key no table holds: (what is refused, the call, where the
+#: character sits).
+EMITS: dict[str, tuple[Callable[[str], Any], int]] = {
+    "category": (
+        lambda alias: emit(
+            f"org.upd{SURROGATE}", shard="o:1", object_id=1, using=alias
+        ),
+        7,
+    ),
+    "shard": (
+        lambda alias: emit("org.update", shard=("org", NUL), object_id=1, using=alias),
+        4,
+    ),
+    "shard ": (
+        lambda alias: emit(
+            "org.update", shard=f"caf{SURROGATE}", object_id=1, using=alias
+        ),
+        3,
+    ),
+    "object_id": (
+        lambda alias: emit("org.update", shard="o:1", object_id=f"7{NUL}", using=alias),
+        1,
+    ),
+    "object_id ": (
+        lambda alias: emit(
+            "org.update", shard="o:1", object_id=f"f{SURROGATE}", using=alias
+        ),
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("refused", list(EMITS))
+def test_an_emit_with_a_key_no_table_holds_leaves_the_transaction_usable(
+    alias: str, refused: str
+) -> None:
+    call, position = EMITS[refused]
+    number = f"kept-{uuid.uuid4().hex[:8]}"
+    with transaction.atomic(using=alias):
+        Order.objects.using(alias).create(number=f"{number}-before")
+        with pytest.raises(OutboxValueError) as caught:
+            call(alias)
+        # The same transaction still writes, emits and commits.
+        Order.objects.using(alias).create(number=f"{number}-after")
+        emit("org.update", shard="o:1", object_id=1, payload="fine", using=alias)
+    message = str(caught.value)
+    assert message.startswith("Cannot emit a handler message")
+    assert f"{refused.strip()} " in message
+    assert f"at position {position}" in message
+    assert ("NUL" in message) or ("lone surrogate" in message)
+    assert message.endswith("Nothing was written.")
+    assert Order.objects.using(alias).filter(number__startswith=number).count() == 2
+    assert list(
+        HandlerMessage.objects.using(alias).values_list("payload", flat=True)
+    ) == ['"fine"']

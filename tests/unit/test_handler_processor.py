@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 
 from celery_outbox.engine.observations import StopReason
+from celery_outbox.exceptions import OutboxDatabaseError
 from celery_outbox.handlers.observations import MessageHandled
 from celery_outbox.handlers.processor import Processor, ProcessorConfig
 from celery_outbox.handlers.registry import Category, Registry
 from celery_outbox.outcomes import Action
-from celery_outbox.store.handlers import HandlerTables, MemoryHandlerStore
+from celery_outbox.store.handlers import HandlerTables, Lease, MemoryHandlerStore, Row
 
 
 def emit(
@@ -193,3 +194,105 @@ def test_a_long_pass_keeps_the_liveness_file_fresh(tmp_path: Path) -> None:
 
     assert run.run_once() == 10  # one pass, ten shards, twenty seconds
     assert touched[-1] > time.time() - 60, "the file was not touched during the pass"
+
+
+class NarrowColumns(MemoryHandlerStore):
+    """A database that refuses some text :func:`~celery_outbox.text.storable` lets
+    through: MySQL's ``last_error`` in a three-byte ``utf8`` column, say, refusing a
+    character outside the Basic Multilingual Plane."""
+
+    def retry_later(
+        self, lease: Lease, row: Row, attempts: int, delay: float, error: str
+    ) -> None:
+        _refuse(error)
+        super().retry_later(lease, row, attempts, delay, error)
+
+    def dead_letter(
+        self, lease: Lease, row: Row, attempts: int, error: str, lease_seconds: float
+    ) -> None:
+        _refuse(error)
+        super().dead_letter(lease, row, attempts, error, lease_seconds)
+
+
+def _refuse(error: str) -> None:
+    if any(ord(char) > 0xFFFF for char in error):
+        raise OutboxDatabaseError(
+            "handler database 'memory': DataError: (1366, \"Incorrect string value: "
+            "'\\xF0\\x9F\\x97\\x8E' for column 'last_error' at row 1\")"
+        )
+
+
+def test_a_failure_whose_text_the_database_refuses_is_charged_with_a_note() -> None:
+    tables = HandlerTables()
+    runs: list[int] = []
+
+    def unreadable(*, attempt: int, **_: Any) -> None:
+        runs.append(attempt)
+        raise OSError("cannot read \U0001f5ce report.pdf")
+
+    categories = Registry()
+    categories.add(Category("files", unreadable, max_attempts=2, atomic=False))
+    emit(tables, "files", "s", 1, {})
+    run = Processor(
+        ProcessorConfig(
+            databases=("memory",),
+            poll_interval=0.01,
+            retry_base_seconds=0.01,
+            until_empty=True,
+            heartbeat_interval=None,
+        ),
+        categories,
+        stores=lambda alias, holder: NarrowColumns(tables, holder=holder),
+    )
+
+    deadline = time.monotonic() + 5
+    while tables.messages and time.monotonic() < deadline:
+        run.run_once()
+        time.sleep(0.02)
+
+    assert runs == [1, 2]  # each run charged, then the dead letters
+    (dead,) = tables.dead
+    assert dead.attempts == 2
+    assert dead.last_error.startswith(
+        "OSError (its text could not be recorded: handler database 'memory': "
+        "DataError: (1366, \"Incorrect string value: '\\xF0\\x9F"
+    )
+
+
+def test_stop_ends_a_running_shard_after_the_message_in_hand() -> None:
+    tables = HandlerTables()
+    ran: list[Any] = []
+    categories = Registry()
+    run = processor(tables, categories)
+
+    def receive(*, payload: Any, **_: Any) -> None:
+        ran.append(payload)
+        run.stop()  # SIGTERM while the first message runs
+
+    categories.add(Category("c", receive, coalesce=False))
+    for n in range(5):
+        emit(tables, "c", "s", n, n)
+
+    assert run.run() is StopReason.SIGNAL
+
+    assert ran == [0]
+    assert len(tables.messages) == 4
+    shard = tables.shards["s"]
+    assert shard.lease_token is None  # given back, due for the next processor
+
+
+def test_a_payload_that_is_not_json_fails_like_its_receiver_and_stops_nothing() -> None:
+    tables = HandlerTables()
+    ran: list[Any] = []
+    categories = Registry()
+    categories.add(
+        Category("c", lambda *, payload, **_: ran.append(payload), max_attempts=1)
+    )
+    MemoryHandlerStore(tables).write("c", "s", "1", "{edited by hand")
+    emit(tables, "c", "s", 2, "after")
+
+    assert processor(tables, categories).run() is StopReason.EMPTY
+
+    assert ran == ["after"]
+    (dead,) = tables.dead
+    assert dead.payload == "{edited by hand" and "JSONDecodeError" in dead.last_error

@@ -106,4 +106,8 @@ def test_one_receiver_per_category() -> None:
         registry.add(Category("org.update", second))
     with pytest.raises(OutboxConfigurationError, match="max_attempts"):
         registry.add(Category("x", first, max_attempts=0))
+    with pytest.raises(OutboxConfigurationError, match=r"NUL.*at position 3"):
+        registry.add(Category("org\x00update", first))
+    with pytest.raises(OutboxConfigurationError, match="at most 255"):
+        registry.add(Category("o" * 256, first))
     assert registry.coalesces("org.update") and not registry.coalesces("unknown")

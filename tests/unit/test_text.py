@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_outbox.exceptions import OutboxValueError
-from celery_outbox.text import REPLACEMENT, check_text, storable
+from celery_outbox.text import REPLACEMENT, check_text, storable, unrecorded
 
 
 def test_storable_replaces_nul_and_lone_surrogates() -> None:
@@ -24,16 +24,31 @@ def test_storable_keeps_the_start_and_says_how_long_the_whole_was() -> None:
     assert text.endswith("cut, 5000 characters in all]")
 
 
+def test_storable_can_keep_the_end_of_a_traceback() -> None:
+    traceback = "Traceback:\n" + "  frame\n" * 1000 + "ValueError: caf\udce9\n"
+    text = storable(traceback, 4000, keep_end=True)
+    assert len(text) == 4000
+    assert text.startswith(f"[... cut, {len(traceback)} characters in all] ")
+    assert text.endswith(f"ValueError: caf{REPLACEMENT}\n")
+
+
+def test_the_note_of_an_unrecorded_failure_is_ascii() -> None:
+    refused = ValueError("Incorrect string value: '\U0001f5ce\x00'")
+    note = unrecorded(OSError("caf\udce9"), refused)
+    assert note.startswith("OSError (its text could not be recorded: Incorrect")
+    assert note.isascii() and "\x00" not in note
+
+
 def test_storable_leaves_short_text_alone() -> None:
     assert storable("ValueError: no", 4000) == "ValueError: no"
 
 
 @given(st.text(alphabet=st.characters(codec=None), max_size=300))
 def test_storable_text_always_encodes_to_utf8_without_nul(text: str) -> None:
-    stored = storable(text, 200)
-    assert len(stored) <= 200
-    assert "\x00" not in stored
-    stored.encode("utf-8")
+    for stored in (storable(text, 200), storable(text, 200, keep_end=True)):
+        assert len(stored) <= 200
+        assert "\x00" not in stored
+        stored.encode("utf-8")
 
 
 @pytest.mark.parametrize(

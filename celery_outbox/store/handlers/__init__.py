@@ -25,6 +25,7 @@ from .types import (
     ReplayReport,
     Row,
     ShardDepth,
+    StatementRefused,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "ReplayReport",
     "Row",
     "ShardDepth",
+    "StatementRefused",
 ]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from ...text import storable
 from .types import ERROR_LIMIT, Lease, LeaseLost, Pauses, Row
 
 
@@ -240,7 +241,8 @@ class MemoryHandlerStore:
             if s is None:
                 return
             now = self.clock()
-            s.attempts, s.head_id, s.last_error = attempts, row.id, error[-ERROR_LIMIT:]
+            s.attempts, s.head_id = attempts, row.id
+            s.last_error = storable(error, ERROR_LIMIT, keep_end=True)
             s.failing_since = s.failing_since if s.failing_since is not None else now
             s.next_attempt_at = now + delay
             s.lease_token = s.leased_until = None
@@ -259,7 +261,7 @@ class MemoryHandlerStore:
                     row.object_id,
                     row.payload,
                     attempts,
-                    error[-ERROR_LIMIT:],
+                    storable(error, ERROR_LIMIT, keep_end=True),
                     self.clock(),
                 )
             )

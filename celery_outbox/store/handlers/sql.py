@@ -18,7 +18,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
-from django.db import DatabaseError, InterfaceError, connections, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.db.models import (
     Count,
     DateTimeField,
@@ -36,7 +42,9 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from ...exceptions import OutboxDatabaseError
+from ...exceptions import OutboxConfigurationError, OutboxDatabaseError, OutboxError
+from ...text import storable
+from ..base import missing_tables
 from .models import (
     HandlerCounter,
     HandlerDeadLetter,
@@ -56,27 +64,44 @@ from .types import (
     ReplayReport,
     Row,
     ShardDepth,
+    StatementRefused,
 )
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+#: What a driver raises: the database's errors, and a value it cannot encode.
+_DRIVER_ERRORS = (DatabaseError, InterfaceError, UnicodeError)
+
+
 def translated(
     method: Callable[Concatenate[HandlerStore, _P], _R],
 ) -> Callable[Concatenate[HandlerStore, _P], _R]:
-    """Driver errors of ``method`` become :class:`OutboxDatabaseError`, naming the alias."""
+    """Driver errors of ``method`` become ours (:meth:`HandlerStore.translate`)."""
 
     @functools.wraps(method)
     def wrapper(store: HandlerStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return method(store, *args, **kwargs)
-        except (DatabaseError, InterfaceError) as exc:
-            raise OutboxDatabaseError(
-                f"handler database {store.using!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except _DRIVER_ERRORS as exc:
+            raise store.translate(exc) from exc
 
     return wrapper
+
+
+#: The handler app's tables: one missing means its migrations were not applied.
+HANDLER_TABLES = tuple(
+    model._meta.db_table
+    for model in (
+        HandlerMessage,
+        HandlerShard,
+        HandlerDeadLetter,
+        HandlerPause,
+        HandlerCounter,
+        HandlerProcessor,
+    )
+)
 
 
 #: The shard columns of a head that is not failing.
@@ -117,10 +142,24 @@ class HandlerStore:
         try:
             with transaction.atomic(using=self.using):
                 yield
-        except (DatabaseError, InterfaceError) as exc:
-            raise OutboxDatabaseError(
-                f"handler database {self.using!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except _DRIVER_ERRORS as exc:
+            raise self.translate(exc) from exc
+
+    def translate(self, exc: BaseException) -> OutboxError:
+        """A driver's error as ours: :class:`OutboxConfigurationError` naming the
+        migration when a handler table is missing; :class:`OutboxDatabaseError` for a
+        connection that failed; else :class:`StatementRefused`."""
+        missing = missing_tables(connections[self.using], HANDLER_TABLES)
+        if missing:
+            return OutboxConfigurationError(
+                f"table missing on handler database {self.using!r}: "
+                f"{', '.join(missing)}. Run: python manage.py migrate "
+                f"celery_outbox_handlers --database {self.using} (or leave "
+                f"{self.using!r} out of CELERY_OUTBOX_HANDLER_DATABASES)"
+            )
+        lost = isinstance(exc, (OperationalError, InterfaceError))
+        kind = OutboxDatabaseError if lost else StatementRefused
+        return kind(f"handler database {self.using!r}: {type(exc).__name__}: {exc}")
 
     def reset_connection(self) -> None:
         """Close this thread's connection to the alias (the next call reconnects)."""
@@ -315,7 +354,7 @@ class HandlerStore:
             self._shards().filter(id=lease.pk, lease_token=lease.token).update(
                 attempts=attempts,
                 head_id=row.id,
-                last_error=error[-ERROR_LIMIT:],
+                last_error=storable(error, ERROR_LIMIT, keep_end=True),
                 failing_since=_failing_since(),
                 next_attempt_at=_later(delay),
                 lease_token=None,
@@ -339,7 +378,7 @@ class HandlerStore:
                 created_at=row.created_at,
                 died_at=Now(),
                 attempts=attempts,
-                last_error=error[-ERROR_LIMIT:],
+                last_error=storable(error, ERROR_LIMIT, keep_end=True),
             )
             self._messages().filter(id=row.id, shard=shard).delete()
             self._count(row.category, dead_lettered=1)
@@ -399,7 +438,11 @@ class HandlerStore:
         with transaction.atomic(using=self.using):
             if not processors.filter(id=relay_id).update(seen_at=Now()):
                 processors.bulk_create(
-                    [HandlerProcessor(id=relay_id, name=name[:255], seen_at=Now())],
+                    [
+                        HandlerProcessor(
+                            id=relay_id, name=storable(name, 255), seen_at=Now()
+                        )
+                    ],
                     ignore_conflicts=True,
                 )
 
@@ -469,7 +512,14 @@ class HandlerStore:
         if self.is_paused(kind, value):
             return False
         HandlerPause.objects.using(self.using).bulk_create(
-            [HandlerPause(kind=kind, value=value, reason=reason, created_at=Now())],
+            [
+                HandlerPause(
+                    kind=kind,
+                    value=value,
+                    reason=storable(reason),
+                    created_at=Now(),
+                )
+            ],
             ignore_conflicts=True,
         )
         return True
@@ -479,6 +529,15 @@ class HandlerStore:
         """Whether a pause row exists for (kind, value)."""
         pauses = HandlerPause.objects.using(self.using)
         return bool(pauses.filter(kind=kind, value=value).exists())
+
+    @translated
+    def knows_category(self, category: str) -> bool:
+        """Whether messages or dead letters of ``category`` are on this database."""
+        dead = HandlerDeadLetter.objects.using(self.using)
+        return bool(
+            self._messages().filter(category=category).exists()
+            or dead.filter(category=category).exists()
+        )
 
     @translated
     def resume(self, kind: str, value: str) -> bool:
@@ -582,6 +641,7 @@ class HandlerStore:
         shard: str | None = None,
         coalesces: Callable[[str], bool] = lambda _category: False,
         chunk: int = 500,
+        dry_run: bool = False,
     ) -> ReplayReport:
         """Write dead letters back as new messages at the end of their shards.
 
@@ -590,7 +650,8 @@ class HandlerStore:
         after everything its shard already holds, with fresh attempts. One whose
         category ``coalesces`` and whose object has a newer message waiting in the
         shard is left in the dead letters: replaying it would put the older payload
-        after the newer one.
+        after the newer one. ``dry_run`` writes nothing and reports what would be
+        done.
         """
         dead = HandlerDeadLetter.objects.using(self.using).order_by("message_id", "id")
         if ids is not None:
@@ -600,26 +661,36 @@ class HandlerStore:
         if shard is not None:
             dead = dead.filter(shard=shard)
         replayed: list[int] = []
-        superseded = 0
+        superseded: list[int] = []
         after: tuple[int, int] = (-1, -1)
         while True:
             with transaction.atomic(using=self.using):
-                page = list(
-                    dead.filter(
-                        Q(message_id__gt=after[0])
-                        | Q(message_id=after[0], id__gt=after[1])
-                    ).select_for_update()[:chunk]
+                page_query = dead.filter(
+                    Q(message_id__gt=after[0]) | Q(message_id=after[0], id__gt=after[1])
                 )
+                if not dry_run:
+                    page_query = page_query.select_for_update()
+                page = list(page_query[:chunk])
                 if not page:
                     break
                 after = (page[-1].message_id, page[-1].id)
-                kept = [
-                    d for d in page if not (coalesces(d.category) and self._newer(d))
-                ]
-                superseded += len(page) - len(kept)
-                self._write_back(kept)
+                kept = []
+                for letter in page:
+                    if coalesces(letter.category) and self._newer(letter):
+                        superseded.append(letter.id)
+                    else:
+                        kept.append(letter)
+                if not dry_run:
+                    self._write_back(kept)
                 replayed.extend(d.id for d in kept)
-        return ReplayReport(self.using, len(replayed), superseded, tuple(replayed))
+        return ReplayReport(
+            self.using,
+            len(replayed),
+            len(superseded),
+            tuple(replayed),
+            tuple(superseded),
+            dry_run,
+        )
 
     def _newer(self, dead: HandlerDeadLetter) -> bool:
         """Whether a message of the dead letter's object, written after it, waits."""

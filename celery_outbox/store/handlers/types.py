@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from ...exceptions import OutboxError
+from ...exceptions import OutboxDatabaseError, OutboxError
+from ...text import ERROR_LIMIT as _TEXT_LIMIT
 
 #: Widest shard key, category and object id (characters; fits a utf8mb4 unique index).
 KEY_LENGTH = 255
 
-#: Characters of a receiver's error kept on the shard and in a dead letter.
-ERROR_LIMIT = 4000
+#: Characters of a receiver's error kept on the shard and in a dead letter (its end).
+ERROR_LIMIT = _TEXT_LIMIT
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class Row:
 
 class LeaseLost(OutboxError):
     """The shard's lease ended and another processor may own it: the write was not made."""
+
+
+class StatementRefused(OutboxDatabaseError):
+    """The database answered, and refused a statement or the commit (not a lost
+    connection). In an atomic receiver's transaction, that is the receiver's failure:
+    one that swallowed a database error left PostgreSQL's transaction aborted."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,10 @@ class ReplayReport:
     superseded: int
     #: Ids of the dead letters replayed.
     ids: tuple[int, ...] = ()
+    #: Ids of the dead letters left (``superseded``).
+    superseded_ids: tuple[int, ...] = ()
+    #: Nothing was written: ``replayed`` counts what would have been.
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
