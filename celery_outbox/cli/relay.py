@@ -34,7 +34,10 @@ _OVERRIDES = (
 def add_relay(parser: argparse.ArgumentParser) -> None:
     """``relay``'s flags: each overrides its setting for this process."""
     parser.add_argument(
-        "--until-empty", action="store_true", help="Exit 0 once no row is due."
+        "--until-empty",
+        action="store_true",
+        help="Exit once no row is due: 0, or 1 naming why when rows this run could "
+        "not publish (a broker outage, a refusal waiting for its retry) are left.",
     )
     for flag, kind, metavar in (
         ("--batch-size", int, "N"),
@@ -66,6 +69,7 @@ def add_relay(parser: argparse.ArgumentParser) -> None:
 
 def run_relay(options: dict[str, Any], streams: Streams) -> None:
     """Run the relay until a signal (or until empty)."""
+    from ..engine.loop import exit_status
     from ..relay.runner import build_relay
 
     overrides = {name: options[name] for name in _OVERRIDES}
@@ -86,6 +90,12 @@ def run_relay(options: dict[str, Any], streams: Streams) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    status = exit_status(reason)
+    if status:
+        raise CommandError(
+            f"relay stopped: {reason.value}: {relay.loop.unfinished}",
+            returncode=status,
+        )
 
 
 def run_health(options: dict[str, Any], streams: Streams) -> None:
