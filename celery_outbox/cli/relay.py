@@ -101,7 +101,9 @@ def run_relay(options: dict[str, Any], streams: Streams) -> None:
 def run_health(options: dict[str, Any], streams: Streams) -> None:
     """Exit non-zero with a reason when the database or the broker is unreachable."""
     from ..app import resolve_app
-    from ..broker import build_publisher, describe
+    from ..broker import build_publisher
+    from ..broker.base import explain
+    from ..relay.probe import broker_location
     from ..store import outbox_stores
 
     settings = get_settings()
@@ -115,14 +117,18 @@ def run_health(options: dict[str, Any], streams: Streams) -> None:
     except OutboxError as exc:
         problems.append(f"database {alias!r} unreachable: {exc}")
     app = resolve_app(settings)
+    where = broker_location(app)
     publisher = build_publisher(app, settings)
+    node = None
     try:
-        publisher.ping()
+        node = publisher.ping()
     except Exception as exc:
-        problems.append(f"broker unreachable: {describe(exc)}")
+        problems.append(f"broker {where} unreachable: {explain(exc)}")
     finally:
         publisher.close()
     if problems:
         raise CommandError("unhealthy: " + "; ".join(problems))
-    broker = app.connection_for_write().as_uri()
+    broker = node or where
+    if node and ";" in where:  # a failover list: which node answered
+        broker = f"node {node} (of {where})"
     streams.line(f"ok: database {alias!r} and broker {broker} reachable")
