@@ -35,7 +35,7 @@ from .base import (
     explain,
     is_outage,
 )
-from .failover import connect, nodes_of, publish_again
+from .failover import connect, node_lost, publish_again, time_left
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -284,7 +284,7 @@ class AmqpPublisher:
             return []
         self._node_lost = False
         results = self._publish(messages, budget)
-        if self._node_lost:
+        if self._node_lost and time_left(budget):
             self._node_lost = False
             results = publish_again(
                 messages, results, lambda rest: self._publish(rest, budget)
@@ -326,11 +326,7 @@ class AmqpPublisher:
         written = self._confirms.written
         condition = self._blocked is not None or broker_condition(exc) is not None
         # The node was up and went away (not an alarm: that holds the whole cluster).
-        self._node_lost = (
-            self._connection is not None
-            and self._blocked is None
-            and nodes_of(self._connection) > 1
-        )
+        self._node_lost = self._blocked is None and node_lost(self._connection, exc)
         self.close()
         error = explain(exc)
         logger.warning("broker outage, no attempt used: %s", error)

@@ -19,12 +19,13 @@ node: an outage is a cluster with no node up, not one node down.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..envelope import StoredMessage
 from ..outcomes import Outcome, PublishResult
-from .base import explain
+from .base import Budget, explain, underlying
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -91,6 +92,25 @@ def connect(connection: Any, between: Callable[[], object] | None = None) -> str
             nodes,
         )
     return node
+
+
+def node_lost(connection: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` broke an open ``connection`` whose URL names other nodes.
+
+    Then what did not go out may be sent at once on the next node that answers. Not
+    after a timeout: a slow node may still take what was written to it, and the
+    next batch connects anew anyway.
+    """
+    return (
+        connection is not None
+        and nodes_of(connection) > 1
+        and not isinstance(underlying(exc), TimeoutError)
+    )
+
+
+def time_left(budget: Budget) -> bool:
+    """Whether ``budget`` lets a batch start again now (no shutdown, deadline ahead)."""
+    return budget.keep_going() and budget.deadline() > time.monotonic()
 
 
 def publish_again(

@@ -23,7 +23,7 @@ from .base import (
     explain,
     is_outage,
 )
-from .failover import connect, nodes_of, publish_again
+from .failover import connect, node_lost, publish_again, time_left
 from .topics import use_rabbit_topics
 
 logger = logging.getLogger("celery_outbox.broker")
@@ -61,7 +61,7 @@ class KombuPublisher:
             return []
         self._node_lost = False
         results = self._publish(messages, budget)
-        if self._node_lost:
+        if self._node_lost and time_left(budget):
             self._node_lost = False
             results = publish_again(
                 messages, results, lambda rest: self._publish(rest, budget)
@@ -141,9 +141,7 @@ class KombuPublisher:
         self, messages: Sequence[StoredMessage], exc: BaseException
     ) -> list[PublishResult]:
         """Drop the connection; ``messages`` are an outage (no attempt used), and why."""
-        self._node_lost = (
-            self._connection is not None and nodes_of(self._connection) > 1
-        )
+        self._node_lost = node_lost(self._connection, exc)
         self.close()
         error = explain(exc)
         logger.warning("broker outage, no attempt used: %s", error)

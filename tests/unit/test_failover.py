@@ -10,7 +10,12 @@ import pytest
 from kombu import Connection
 
 from celery_outbox.broker import is_outage
-from celery_outbox.broker.failover import NoNodeAnswered, connect, publish_again
+from celery_outbox.broker.failover import (
+    NoNodeAnswered,
+    connect,
+    node_lost,
+    publish_again,
+)
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult
 from tests.proxy import closed_port
@@ -91,3 +96,14 @@ def test_publish_again_sends_only_the_outage_and_keeps_in_flight_marks() -> None
         Outcome.PUBLISHED,
         Outcome.PUBLISHED,
     ]
+
+
+def test_a_broken_connection_of_a_failover_list_is_a_lost_node_a_timeout_is_not(
+    ports: list[int],
+) -> None:
+    cluster = Connection(";".join(url(p) for p in ports[:2]))
+    single = Connection(url(ports[0]))
+    assert node_lost(cluster, ConnectionResetError("reset by peer"))
+    assert not node_lost(cluster, TimeoutError("confirms did not arrive"))
+    assert not node_lost(single, ConnectionResetError("reset by peer"))
+    assert not node_lost(None, ConnectionResetError("never connected"))
