@@ -5,12 +5,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Every stage is timed, and stopped if it runs far past its recorded figure (a hang):
+# scripts/stages.py, which prints the table of them at the end of `make test`.
+STAGE := $(PYTHON) scripts/stages.py run
+export OUTBOX_STAGES ?= $(CURDIR)/build/stages
 
-.PHONY: demo check test matrix lint bench services tools clean matrix-1 matrix-2
+.PHONY: demo check test matrix lint bench services tools clean
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,lint,dev]'
+	$(STAGE) "venv" -- sh -c "$(PYTHON) -m venv $(VENV) && \
+	  $(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,lint,dev]'"
 	touch $(STAMP)
 
 # The demo needs only the package itself (Django, Celery, kombu): a venv of its own.
@@ -24,40 +28,38 @@ demo: $(DEMO_VENV)/.installed
 	$(DEMO_VENV)/bin/python -m demo
 
 services:
-	bash scripts/services.sh
+	$(STAGE) "services" -- bash scripts/services.sh
 
 tools:
-	bash scripts/tools.sh
+	$(STAGE) "tools" -- bash scripts/tools.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	$(STAGE) "check: lint and types" -- sh -c \
+	  "$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy"
 
 # The fast check: lint, types, every test that needs no server (tests/servers.py says
 # which; their server addresses point nowhere), then the sdist and the wheel built,
 # checked and installed into a fresh venv (scripts/check_package.py). No server is
 # needed and nothing is downloaded once the venv exists.
 check: lint
-	OUTBOX_TEST_SERVERS=none $(BIN)/pytest -q
-	$(BIN)/python scripts/check_package.py
+	$(STAGE) "check: tests without servers" -- env OUTBOX_TEST_SERVERS=none $(BIN)/pytest -q
+	$(STAGE) "check: package" -- $(BIN)/python scripts/check_package.py
 
-# Everything: the fast check, then the support matrix.
-test: check matrix
+# Everything: the Debian programs (the fast check runs promtool on deploy/; in CI a
+# missing one fails the test), the fast check, then the support matrix; then the table
+# of where the time went (each stage beside its recorded figure, the slowest tests).
+test:
+	@$(PYTHON) scripts/stages.py clear
+	@status=0; $(MAKE) --no-print-directory tools check matrix || status=1; \
+	$(PYTHON) scripts/stages.py report; exit $$status
 
-# The support matrix (noxfile.py): the whole suite on the newest versions, alone, then
-# the contract tests of every other pair in two parallel streams; every session runs
-# even when an earlier one failed, and any failure fails the target. Lint, types and
-# the package are `check`'s, not repeated here.
+# The support matrix (noxfile.py, run by scripts/matrix.py): the whole suite on the
+# newest versions (on pytest-xdist) and the contract tests of every other pair, sharing
+# a pool of slots; then the serial tests (they stop RabbitMQ and the databases) alone.
+# Every session runs even when an earlier one failed; any failure fails the target.
+# Lint, types and the package are `check`'s, not repeated here.
 matrix: $(STAMP) services tools
-	status=0; \
-	$(BIN)/nox -t newest || status=1; \
-	$(MAKE) --no-print-directory -k -j2 --output-sync matrix-1 matrix-2 || status=1; \
-	exit $$status
-
-# Explicit targets: make skips pattern rules for phony targets.
-matrix-1 matrix-2: $(STAMP)
-	$(BIN)/nox -t stream-$(subst matrix-,,$@)
+	$(BIN)/python scripts/matrix.py
 
 bench: $(STAMP) services
 	$(BIN)/python -m bench

@@ -2,8 +2,9 @@
 
 The newest combination runs the whole suite; every other pair runs the contract tests;
 the oldest installs the lowest version of every dependency ``pyproject.toml`` declares.
-``make matrix`` (the second half of ``make test``, after ``make check``) runs the
-newest session, then the others in two streams at once;
+``make matrix`` (the second half of ``make test``, after ``make check``) runs them
+on a pool of slots, the newest first, then the ``serial`` session alone
+(scripts/matrix.py);
 ``.venv/bin/nox`` runs them all one after the other, ``nox -l`` lists them and
 ``nox -s 'tests(python=3.13, django=6.1, celery=5.7)'`` runs one.
 ``tests/unit/test_packaging.py`` checks that the ranges ``pyproject.toml`` declares
@@ -15,6 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +65,19 @@ CONTRACT_TESTS = (
 #: Celery lines whose own integration suite ``nox -s celery_suite`` runs, stock and
 #: through OutboxCelery (tests/celery_suite; not part of ``make test``).
 CELERY_SUITE = ("5.7", "5.6")
-#: ``make matrix`` runs the newest session alone (its fault tests stop RabbitMQ), then the
-#: others in this many parallel streams (tags ``stream-1`` ...; the Makefile names them).
-STREAMS = 2
 #: The extras whose lower bounds the oldest session installs, besides the core.
 DRIVER_EXTRAS = ("postgres", "mysql", "redis")
 
 ROOT = Path(__file__).parent
+#: Times every stage of ``make test`` (scripts/stages.py; standard library only).
+STAGES = "scripts/stages.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+import stages  # noqa: E402
+
+#: pytest-xdist workers of the newest session's parallel part. The machine has two
+#: cores, but most of a test's time is spent waiting (on a database, a broker, a
+#: relay or worker process it started), so more workers than cores pay.
+WORKERS = os.environ.get("OUTBOX_TEST_WORKERS", "4")
 #: Printed by every session: the versions it really installed.
 SHOWN = ("Django", "celery", "kombu", "amqp", "redis", "psycopg", "PyMySQL")
 SHOW = "import sys, importlib.metadata as m; print(*(f'{n} {m.version(n)}' for n in sys.argv[1:]))"
@@ -128,12 +137,11 @@ def _session_id(python: str, django: str, celery: str) -> str:
 
 
 def _params() -> list[Any]:
-    """The newest session, then the others, each tagged with the stream it runs in."""
+    """The newest session, then the oldest and the contract pairs, each tagged."""
     newest = nox.param(*NEWEST, id=_session_id(*NEWEST), tags=["newest"])
     others = [(OLDEST, "oldest"), *((row, "contract") for row in CONTRACT)]
     return [newest] + [
-        nox.param(*row, id=_session_id(*row), tags=[tag, f"stream-{n % STREAMS + 1}"])
-        for n, (row, tag) in enumerate(others)
+        nox.param(*row, id=_session_id(*row), tags=[tag]) for row, tag in others
     ]
 
 
@@ -142,15 +150,54 @@ def _params() -> list[Any]:
 def tests(session: nox.Session, django: str, celery: str) -> None:
     """One (Python, Django, Celery) combination of the matrix."""
     row = (session.python, django, celery)
+    label = "/".join(str(v) for v in row)
     if row == OLDEST:
         pins = _lowest_pins()
     else:
         pins = [f"Django=={django}.*", f"celery=={celery}.*"]
-    session.install("-e", ".[test]", *pins)
+    _install(session, f"{label}: install", "-e", ".[test]", *pins)
     session.run("python", "-c", SHOW, *SHOWN)
-    paths = () if row == NEWEST else CONTRACT_TESTS
     # pytest reads pyproject.toml: filterwarnings = error holds in every session.
-    session.run("python", "-m", "pytest", *paths, *session.posargs)
+    if row != NEWEST:
+        _pytest(session, f"{label}: contract tests", *CONTRACT_TESTS)
+        return
+    # The whole suite but the tests that stop a server every session uses or need
+    # the machine to themselves (the `serial` mark): the `serial` session has those.
+    _pytest(session, f"{label}: tests", "-n", WORKERS, "-m", "not serial")
+
+
+@nox.session(python=NEWEST[0], tags=["serial"])
+def serial(session: nox.Session) -> None:
+    """The newest combination's `serial` tests (tests/faults: they stop RabbitMQ and
+    the databases), run once every other session is done (scripts/matrix.py)."""
+    label = "/".join(NEWEST)
+    _, django, celery = NEWEST
+    _install(
+        session,
+        f"{label}: serial install",
+        "-e",
+        ".[test]",
+        f"Django=={django}.*",
+        f"celery=={celery}.*",
+    )
+    # pytest exits 5 when it selects nothing (posargs that name no serial test).
+    _pytest(session, f"{label}: serial tests", "-m", "serial", success_codes=[0, 5])
+
+
+def _install(session: nox.Session, stage: str, *args: str) -> None:
+    """``session.install(*args)``, timed as ``stage``."""
+    started, clock, status = time.time(), time.monotonic(), 1
+    try:
+        session.install(*args)
+        status = 0
+    finally:
+        stages.write(stage, time.monotonic() - clock, status, started)
+
+
+def _pytest(session: nox.Session, stage: str, *args: str, **run: Any) -> None:
+    """pytest with ``args`` (and the session's posargs), run and timed as ``stage``."""
+    command = ["python", "-m", "pytest", *args, *session.posargs]
+    session.run("python", STAGES, "run", stage, "--", *command, **run)
 
 
 @nox.session(name="celery_suite", python=NEWEST[0], default=False)

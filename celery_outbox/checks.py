@@ -9,6 +9,7 @@ W006 a setting this version no longer reads.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from django.apps import apps as django_apps
@@ -166,6 +167,19 @@ def check_skip_locked(
     ]
 
 
+def running_command() -> str | None:
+    """The management command this process was started as (``manage.py NAME``,
+    ``django-admin NAME``, ``python -m django NAME``), or None.
+
+    Django tells a check nothing about the command that runs it: ``migrate`` runs
+    the checks with ``databases=[its alias]`` and no tags, exactly as ``check
+    --database`` does. What names the command is the command line, read as
+    Django's ``ManagementUtility`` reads it: the first argument. (``call_command``
+    runs no checks unless asked to.)
+    """
+    return sys.argv[1] if len(sys.argv) > 1 else None
+
+
 @register("celery_outbox")
 def check_migrations(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -174,8 +188,11 @@ def check_migrations(
 
     Runs on a plain ``manage.py check`` too (a forgotten ``migrate celery_outbox``
     is the commonest setup mistake); with ``--database``, only when the outbox
-    alias is among those asked for.
+    alias is among those asked for; never under ``migrate``, which is about to
+    create the tables and apply the migrations these warnings ask for.
     """
+    if running_command() == "migrate":
+        return []
     alias = _outbox_alias_or_none()
     if alias is None or (databases is not None and alias not in databases):
         return []

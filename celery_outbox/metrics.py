@@ -11,7 +11,8 @@ dead_lettered_total              counter    messages moved to the dead-letter ta
 outages_total                    counter    messages put back because the broker was down
 coalesced_total                  counter    unpublished rows dropped for a newer one (claim)
 blocked_total                    counter    heads of ``block`` keys that failed for good
-breaker_open                     gauge      1 while the relay pauses after outages
+breaker_open                     gauge      1 while the relay pauses after outages (0 from
+                                            the relay's start)
 batch_duration_seconds           histogram  claim to settled, per batch
 publish_seconds                  histogram  the broker part of a batch (confirms included)
 commit_to_publish_seconds        histogram  row written (a scheduled task: its ETA) to broker
@@ -20,7 +21,13 @@ pending / due / dead             gauge      backlog, sampled every ``sample_ever
 scheduled                        gauge      rows held until their ETA (sampled)
 oldest_pending_seconds           gauge      age of the oldest waiting row (sampled;
                                             a scheduled row counts from its ETA)
+blocked_keys                     gauge      ordered keys stopped by a blocked head
+                                            (sampled)
 ===============================  =========  ==============================================
+
+The counters and ``breaker_open`` exist from the relay's start (at 0): Prometheus'
+``increase()`` then sees the first dead letter after a restart, and ``absent()`` of
+them means that no relay is scraped.
 """
 
 from __future__ import annotations
@@ -42,6 +49,16 @@ from .store import OperatorStore, Stats
 logger = logging.getLogger("celery_outbox.metrics")
 
 PREFIX = "celery_outbox_"
+
+#: The relay's counters, reported at 0 when its metrics start.
+RELAY_COUNTERS = (
+    "published_total",
+    "failed_total",
+    "dead_lettered_total",
+    "outages_total",
+    "coalesced_total",
+    "blocked_total",
+)
 
 
 class Sink(Protocol):
@@ -255,6 +272,11 @@ class RelayMetrics:
         self.sample_every = sample_every
         self.clock = clock
         self._sampled_at: float | None = None
+        # A series that appears only at its first increment hides that increment
+        # from increase() and rate(); a relay starts with its breaker closed.
+        for name in RELAY_COUNTERS:
+            sink.count(name, 0)
+        sink.gauge("breaker_open", 0)
 
     def __call__(self, event: RelayObservation) -> None:
         """Record one relay event."""
@@ -305,6 +327,7 @@ class RelayMetrics:
         self.sink.gauge("dead", stats.dead)
         self.sink.gauge("scheduled", stats.scheduled)
         self.sink.gauge("oldest_pending_seconds", stats.oldest_pending_seconds or 0.0)
+        self.sink.gauge("blocked_keys", stats.blocked)
         return stats
 
     def _maybe_sample(self) -> None:

@@ -2,12 +2,19 @@
 # Make sure the Debian programs some tests drive are installed:
 #   chromium + chromium-driver  the admin in a real browser (tests/e2e/test_admin_browser.py)
 #   pgbouncer                   LISTEN/NOTIFY behind a transaction pooler (tests/integration/test_pgbouncer.py)
+#   prometheus (promtool)       the alert rules and dashboard queries in deploy/ (tests/unit/test_deploy_kit.py)
+#   openssl, redis-server,      the topologies of tests/integration/test_topologies.py: servers of the
+#   rabbitmq-server             test's own (Redis Sentinel and TLS, RabbitMQ TLS), with certificates it makes
 set -u
 
 missing() {
   command -v chromium >/dev/null 2>&1 || echo chromium
   command -v chromedriver >/dev/null 2>&1 || echo chromium-driver
   command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || echo pgbouncer
+  command -v promtool >/dev/null 2>&1 || echo prometheus
+  command -v openssl >/dev/null 2>&1 || echo openssl
+  command -v redis-server >/dev/null 2>&1 || echo redis-server
+  command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || echo rabbitmq-server
 }
 
 packages=$(missing | tr '\n' ' ')

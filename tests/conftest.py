@@ -11,8 +11,11 @@ the tests that need it are skipped with a reason that names it.
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,6 +45,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "servers: PostgreSQL, MariaDB, RabbitMQ, Redis (tests/servers.py)"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks set here
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
@@ -56,6 +60,9 @@ def pytest_collection_modifyitems(
     ]
     for item in needing:
         item.add_marker(pytest.mark.servers)
+    for item in items:
+        if servers.folder_of(item.path) in servers.SERIAL_FOLDERS:
+            item.add_marker(pytest.mark.serial)
     if not needing:
         return
     if servers.without_servers():
@@ -134,3 +141,53 @@ def _delete_test_queue(
             channel.queue_delete(test_queue)
         finally:
             channel.close()
+
+
+# -- what a stage of `make test` ran (scripts/stages.py) ---------------------------
+
+#: Under scripts/stages.py (``OUTBOX_STAGE`` set), the run writes how many tests it
+#: ran, by outcome, and its slowest ones, for the stage table at the end of make test.
+_STAGE = os.environ.get("OUTBOX_STAGE")
+#: How many of a run's slowest tests it writes (the report keeps ten of all runs).
+_SLOWEST_KEPT = 25
+_durations: dict[str, float] = {}
+_outcomes: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _STAGE is None:
+        return
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if report.when == "call":
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed" if report.skipped else "xpassed"
+        else:
+            outcome = report.outcome
+    elif report.outcome == "failed":
+        outcome = "error"
+    elif report.outcome == "skipped":
+        outcome = "skipped"
+    else:
+        return
+    _outcomes[outcome] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Under pytest-xdist the controller sees every report: its workers write nothing.
+    if _STAGE is None or hasattr(session.config, "workerinput"):
+        return
+    from scripts.stages import file_name, stages_dir
+
+    slowest = sorted(_durations.items(), key=lambda item: -item[1])[:_SLOWEST_KEPT]
+    folder = stages_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    name = file_name(f"tests {_STAGE} {os.getpid()}")
+    Path(folder / name).write_text(
+        json.dumps(
+            {
+                "stage": _STAGE,
+                "tests": dict(_outcomes),
+                "slowest": [[nodeid, round(s, 2)] for nodeid, s in slowest],
+            }
+        )
+    )

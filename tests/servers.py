@@ -33,6 +33,9 @@ DATABASE_FIXTURES = frozenset(
         "live_server",
     }
 )
+#: The folders whose tests run alone (the ``serial`` mark): they stop servers that
+#: every other test uses, or measure recovery times a loaded machine would blur.
+SERIAL_FOLDERS = ("faults",)
 #: The folder that must hold no test that needs a server.
 NO_SERVER_FOLDER = "unit"
 #: How long a server may take to accept a connection before it counts as missing.

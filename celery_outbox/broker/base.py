@@ -152,6 +152,30 @@ _REDIS_CONDITIONS = {
         "the Redis server is a read-only replica",
         "point CELERY_BROKER_URL at the primary",
     ),
+    "MasterDownError": (
+        "the Redis replica lost its primary",
+        "point CELERY_BROKER_URL at the primary (behind Sentinel the relay "
+        "reconnects to the one Sentinel names)",
+    ),
+    "OutOfMemoryError": (
+        "Redis reached its maxmemory and refuses writes",
+        "free memory on the Redis server or raise maxmemory",
+    ),
+}
+#: The same for the replies redis-py raises as a plain ``ResponseError`` (all of
+#: them before redis-py 5), by the reply's first word.
+_REDIS_REPLIES = {
+    "NOREPLICAS": (
+        "the Redis primary has fewer replicas than its min-replicas-to-write (a "
+        "failover under way, or its replicas down)",
+        "the relay reconnects; behind Sentinel it finds the new primary",
+    ),
+    "MASTERDOWN": _REDIS_CONDITIONS["MasterDownError"],
+    "OOM": _REDIS_CONDITIONS["OutOfMemoryError"],
+    "BUSY": (
+        "Redis is busy running a script",
+        "the relay goes on once the script ends (SCRIPT KILL stops it)",
+    ),
 }
 
 
@@ -159,7 +183,8 @@ def broker_condition(exc: BaseException) -> str | None:
     """Why ``exc`` is the connection's or the broker's problem, or None.
 
     Wrong credentials, a refused virtual host or permission, a resource alarm, TLS
-    errors, a broker shutting down, a Redis replica or a loading Redis: no message
+    errors, a broker shutting down, a Redis replica, a loading, full or busy Redis, a
+    Redis primary short of replicas: no message
     is to blame, so these are outages that no message is ever charged for, however
     often they repeat and whatever was in flight. The text says what to check.
     """
@@ -188,6 +213,10 @@ def broker_condition(exc: BaseException) -> str | None:
                 f"Redis refused the credentials or a permission ({describe(exc)}): "
                 f"check the user and password in CELERY_BROKER_URL and its ACL"
             )
+        reply = str(exc).split(" ", 1)[0]
+        if reply in _REDIS_REPLIES:
+            what, fix = _REDIS_REPLIES[reply]
+            return f"{what} ({describe(exc)}): {fix}"
     return None
 
 

@@ -157,6 +157,10 @@ class RedisPublisher(KombuPublisher):
         outages = [r for r in done.values() if r.outcome is Outcome.OUTAGE]
         if outages:
             logger.warning("broker outage, no attempt used: %s", outages[0].error)
+            # A server that refuses every push (a replica, a primary without its
+            # replicas after a failover) stays so on this connection: the next batch
+            # connects again, to the primary Sentinel or the DNS name points at now.
+            self.close()
         for message in by_kombu:
             done[message.id] = self._one_by_one([message], budget)[0]
         for message in unrouted:

@@ -22,7 +22,8 @@ handler_lag_seconds                   gauge      age of the oldest message neith
 ====================================  =========  ===========================================
 
 Gauges are sampled every ``sample_every`` seconds, after a processor's pass, and sum
-(counts) or take the largest value (ages) over the processor's databases.
+(counts) or take the largest value (ages) over the processor's databases. The
+counters exist from the processor's start, at 0 (as the relay's).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ _COUNTERS = {
     Action.RETRY: "handler_retried_total",
     Action.DEAD_LETTER: "handler_dead_lettered_total",
 }
+#: The processor's counters, reported at 0 when its metrics start.
+HANDLER_COUNTERS = (*_COUNTERS.values(), "handler_coalesced_total")
 
 
 class HandlerMetrics:
@@ -72,6 +75,8 @@ class HandlerMetrics:
         self.clock = clock
         self._stats = stats or (lambda alias: HandlerStore(alias).stats(top=1))
         self._sampled_at: float | None = None
+        for name in HANDLER_COUNTERS:
+            sink.count(name, 0)
 
     def __call__(self, event: HandlerObservation) -> None:
         """Record one processor observation (the others are ignored)."""

@@ -341,6 +341,9 @@ class Processor:
 
         ``read_at``: the monotonic time the row was read, to report its age.
         """
+        # A pass drains every due shard: with a backlog it outlasts any liveness
+        # probe unless each message says the processor is alive (once a second at most).
+        self.loop.touch_liveness()
         started = self._monotonic()
         attempt = (lease.attempts if lease.head_id == row.id else 0) + 1
         action = self._run_and_settle(store, lease, row, attempt)

@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.db import models, transaction
 
-from ..states import DEAD, REVOKED
+from ..states import BLOCKED, DEAD, REVOKED
 from ..text import storable
 from .dialects import (
     DEAD_TABLE,
@@ -68,8 +68,8 @@ class OperatorQueries(HistoryWriter):
         )
 
     def stats(self) -> Stats:
-        """Counts of pending, due, in-flight, scheduled and dead rows; the oldest
-        waiting row's age and when the next scheduled row falls due.
+        """Counts of pending, due, in-flight, scheduled, blocked and dead rows; the
+        oldest waiting row's age and when the next scheduled row falls due.
 
         A scheduled row is not late while it waits: it is left out of the oldest
         age until its ETA, and counted from its ETA after that.
@@ -86,11 +86,14 @@ class OperatorQueries(HistoryWriter):
                 f"THEN 1 ELSE 0 END), 0), "
                 f"COALESCE(SUM(CASE WHEN {scheduled} THEN 1 ELSE 0 END), 0), "
                 f"{dialect.age_seconds(f'MIN({waiting})')}, "
-                f"{dialect.age_seconds(f'MIN(CASE WHEN {scheduled} THEN due_at END)')} "
+                f"{dialect.age_seconds(f'MIN(CASE WHEN {scheduled} THEN due_at END)')}, "
+                f"COALESCE(SUM(CASE WHEN state = '{BLOCKED}' THEN 1 ELSE 0 END), 0) "
                 f"FROM {MESSAGE_TABLE}",
                 [],
             )
-            pending, due, in_flight, waiting_eta, oldest, next_due = cursor.fetchone()
+            (pending, due, in_flight, waiting_eta, oldest, next_due, blocked) = (
+                cursor.fetchone()
+            )
             cursor.execute(f"SELECT COUNT(*) FROM {DEAD_TABLE}", [])
             (dead,) = cursor.fetchone()
         return Stats(
@@ -101,6 +104,7 @@ class OperatorQueries(HistoryWriter):
             None if oldest is None else max(0.0, float(oldest)),
             scheduled=int(waiting_eta),
             next_due_seconds=None if next_due is None else max(0.0, -float(next_due)),
+            blocked=int(blocked),
         )
 
     def summary(self, groups: int = 20) -> Summary:

@@ -55,6 +55,9 @@ class Stats:
     #: Rows held until their ETA, and the seconds until the first of them is due.
     scheduled: int = 0
     next_due_seconds: float | None = None
+    #: Rows in the ``blocked`` state: one head per ordered key it stops
+    #: (:mod:`celery_outbox.ordering`), until an operator acts.
+    blocked: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape of ``outbox tasks stats --format json``."""

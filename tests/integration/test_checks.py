@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from django.conf import settings
 from django.core.checks import run_checks
@@ -107,6 +112,47 @@ def test_unapplied_migrations_are_reported(alias: str) -> None:
             raise Rollback
     assert warning.id == "celery_outbox.W004"
     assert "0001_initial" in warning.msg
+
+
+def manage(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``manage.py ARGS`` of the test project, its default database a new SQLite file."""
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="tests.project.settings",
+        OUTBOX_TEST_DB="sqlite",
+        OUTBOX_TEST_SQLITE_DIR=str(folder),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("OUTBOX_TEST_DB_NAME", None)
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_migrate_does_not_warn_about_the_tables_it_creates(tmp_path: Path) -> None:
+    # Before the tables exist, `check` says so, and names the command to run.
+    checked = manage(tmp_path, "check", "--database", "default")
+    assert checked.returncode == 0, checked.stderr
+    assert "celery_outbox.W003" in checked.stderr
+    assert "Run: python manage.py migrate" in checked.stderr
+
+    # `migrate` on that new database creates them: it does not tell the user to
+    # run the command they are running.
+    migrated = manage(tmp_path, "migrate", "--database", "default")
+    assert migrated.returncode == 0, migrated.stderr
+    assert "Applying celery_outbox.0001_initial... OK" in migrated.stdout
+    assert "celery_outbox.W003" not in migrated.stderr + migrated.stdout
+    assert "celery_outbox.W004" not in migrated.stderr + migrated.stdout
+
+    # Afterwards, nothing to say.
+    checked = manage(tmp_path, "check", "--database", "default")
+    assert "celery_outbox.W00" not in checked.stderr, checked.stderr
 
 
 def test_business_models_on_another_alias_are_reported() -> None:

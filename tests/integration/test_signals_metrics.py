@@ -25,7 +25,7 @@ from celery_outbox.store import Stores
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import record
 
-from .builders import envelope
+from .builders import envelope, keyed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -195,6 +195,30 @@ def test_dead_letter_count_is_exposed() -> None:
     assert registry.get_sample_value("celery_outbox_dead_lettered_total") == 1
     assert registry.get_sample_value("celery_outbox_dead") == 1
     assert DeadLetter.objects.count() == 1
+
+
+def test_a_blocked_key_is_exposed_until_an_operator_acts() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    metrics = RelayMetrics(
+        PrometheusSink(registry), Stores("default").operator(), sample_every=0.0
+    )
+    with transaction.atomic():
+        Stores("default").writer().insert(
+            [keyed("bad-head", "org:1"), keyed("next", "org:1")]
+        )
+    OutboxMessage.objects.filter(task_id__startswith="bad-head").update(attempts=1)
+    Relay(
+        Stores("default").relay(),
+        InMemoryPublisher(refuse("bad")),
+        RelayConfig.from_settings(SETTINGS),
+        observers=[metrics],
+    ).run_once()
+    # The head failed for good under the `block` policy: its key waits for an operator.
+    assert registry.get_sample_value("celery_outbox_blocked_total") == 1
+    assert registry.get_sample_value("celery_outbox_blocked_keys") == 1
+    assert Stores("default").ordering().retry_head("org:1") == 1
+    metrics.sample()
+    assert registry.get_sample_value("celery_outbox_blocked_keys") == 0
 
 
 def test_an_idle_relay_keeps_the_backlog_gauges_fresh() -> None:

@@ -126,6 +126,12 @@ if os.environ.get("OUTBOX_TEST_DB_NAME"):
     )
 
 os.environ.setdefault("OUTBOX_TEST_QUEUE", f"celery-outbox-tests-{RUN_ID}")
+# A pytest-xdist worker (gw0, gw1, ...) inherits the run's id from the controller, and
+# pytest-django gives it test databases of its own (the worker's name added to each):
+# it takes a queue of its own too, and its relay and worker subprocesses inherit it.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if XDIST_WORKER and os.environ["OUTBOX_TEST_QUEUE"] == f"celery-outbox-tests-{RUN_ID}":
+    os.environ["OUTBOX_TEST_QUEUE"] = f"celery-outbox-tests-{RUN_ID}-{XDIST_WORKER}"
 CELERY_BROKER_URL = _address(
     "OUTBOX_TEST_BROKER",
     "amqp://guest:guest@127.0.0.1:5672//",

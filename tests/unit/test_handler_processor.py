@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,3 +161,35 @@ def test_the_old_listeners_keyword_still_reaches_the_observers() -> None:
     assert old.run() is StopReason.EMPTY
 
     assert [e.action for e in seen if isinstance(e, MessageHandled)] == [Action.DELETE]
+
+
+def test_a_long_pass_keeps_the_liveness_file_fresh(tmp_path: Path) -> None:
+    # One pass drains every due shard, one after the other: with a backlog it may
+    # take minutes, and a liveness probe must not take the busy processor for a
+    # stuck one.
+    alive = tmp_path / "alive"
+    alive.touch()
+    now = [1000.0]
+    touched: list[float] = []
+
+    def slow(**_: Any) -> None:
+        now[0] += 2.0  # each receiver takes two seconds of the processor's clock
+        touched.append(alive.stat().st_mtime)
+
+    tables = HandlerTables()
+    categories = Registry()
+    categories.add(Category("c", slow, coalesce=False))
+    for n in range(10):
+        emit(tables, "c", f"s{n}", n, n)
+    run = Processor(
+        ProcessorConfig(
+            databases=("memory",), liveness_file=str(alive), heartbeat_interval=None
+        ),
+        categories,
+        monotonic=lambda: now[0],
+        stores=lambda alias, holder: MemoryHandlerStore(tables, holder=holder),
+    )
+    os.utime(alive, (1.0, 1.0))  # last touched long ago
+
+    assert run.run_once() == 10  # one pass, ten shards, twenty seconds
+    assert touched[-1] > time.time() - 60, "the file was not touched during the pass"

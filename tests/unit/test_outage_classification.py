@@ -50,6 +50,39 @@ from celery_outbox.broker.base import (
             "replica",
         ),
         (redis_errors.ResponseError("NOAUTH Authentication required."), "credentials"),
+        # A primary left without the replicas its min-replicas-to-write asks for (a
+        # Sentinel failover under way): the relay reconnects and finds the new one.
+        (
+            redis_errors.ResponseError("NOREPLICAS Not enough good replicas to write."),
+            "replicas",
+        ),
+        # redis-py 8 raises these as classes of their own, 4.5 as a ResponseError.
+        (
+            redis_errors.MasterDownError(
+                "Link with MASTER is down and replica-serve-stale-data is set to 'no'."
+            ),
+            "lost its primary",
+        ),
+        (
+            redis_errors.ResponseError(
+                "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is "
+                "set to 'no'."
+            ),
+            "lost its primary",
+        ),
+        (
+            redis_errors.ResponseError(
+                "OOM command not allowed when used memory > 'maxmemory'."
+            ),
+            "maxmemory",
+        ),
+        (
+            redis_errors.ResponseError(
+                "BUSY Redis is busy running a script. You can only call SCRIPT KILL "
+                "or SHUTDOWN NOSAVE."
+            ),
+            "script",
+        ),
     ],
 )
 def test_connection_problems_are_outages_with_a_reason(
@@ -59,6 +92,18 @@ def test_connection_problems_are_outages_with_a_reason(
     reason = broker_condition(error)
     assert reason is not None and says in reason
     assert type(error).__name__ in reason
+
+
+@pytest.mark.skipif(
+    not hasattr(redis_errors, "OutOfMemoryError"),
+    reason="this redis-py raises OOM as a ResponseError (tested above)",
+)
+def test_redis_out_of_memory_is_an_outage() -> None:
+    error = redis_errors.OutOfMemoryError(
+        "command not allowed when used memory > 'maxmemory'."
+    )
+    reason = broker_condition(error)
+    assert is_outage(error) and reason is not None and "maxmemory" in reason
 
 
 def test_a_message_refusal_is_no_outage() -> None:
