@@ -262,8 +262,8 @@ class _RecordingPublisher:
                 self.unpublished.append((envelope, result))
         return results
 
-    def ping(self) -> None:
-        self.inner.ping()
+    def ping(self) -> str | None:
+        return self.inner.ping()
 
     def close(self) -> None:
         self.inner.close()

@@ -1,13 +1,19 @@
 """Build the sdist and the wheel, check them, and run the installed wheel (``make check``).
 
-Offline, once the development venv exists: ``build --no-isolation`` uses that venv's
-setuptools instead of downloading one, the wheel goes into a fresh venv with
-``--no-index --no-deps``, and that venv borrows Django, Celery and the rest from the
-development venv through a path file (a plain path line: the development venv's own
-path files, among them its editable install of this package, are not read). Then, in
-a directory outside the source tree, a Django project with the package's three apps
-runs ``check`` and ``migrate`` on SQLite, and the package, its migrations and its
-admin template must all come from the fresh venv.
+``build --no-isolation`` uses the development venv's setuptools instead of downloading
+one. The wheel goes into a fresh venv with exactly the dependencies it declares,
+resolved by pip (the development venv's pip, ``--python``) from pip's own configured
+sources and cache, as a user's ``pip install celery-outbox`` would: nothing of the
+development venv leaks in. Then, in a directory outside the source tree, a Django
+project with the package's three apps runs ``check`` and ``migrate`` on SQLite, and
+the package, its migrations and its admin template must all come from the fresh venv.
+
+Then each extra (``pip install 'celery-outbox[redis]'``...) goes into a venv of its
+own on top of that one (a path file; pip installs only what the extra adds) and must
+do what it promises (:data:`PROMISES`): the ``redis`` extra loads kombu's Redis
+transport and makes a Connection, ``postgres`` loads Django's PostgreSQL backend,
+and so on, each from the extra's own venv. An extra of ``pyproject.toml`` without a
+promise here fails the check.
 
 A build that prints a deprecation fails the check, so a warning like setuptools'
 "``project.license`` as a TOML table is deprecated" is seen the day it appears.
@@ -19,7 +25,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import textwrap
 import time
@@ -180,30 +185,147 @@ def build(source: Path, dist: Path) -> list[Path]:
     return files
 
 
-def fresh_venv(where: Path, wheel: Path) -> Path:
-    """A new venv holding the wheel; the dependencies come from this venv."""
-    venv.create(where, with_pip=True)
+def fresh_venv(where: Path, requirement: str, base: Path | None = None) -> Path:
+    """A new venv with ``requirement`` installed by pip, with what it declares.
+
+    With ``base`` (a venv's purelib) the new venv also sees what ``base`` holds, and
+    pip installs only what is missing. Returns the venv's Python.
+    """
+    venv.create(where, with_pip=False)
     python = where / "bin" / "python"
+    if base is not None:
+        Path(purelib(python), "base.pth").write_text(f"{base}\n")
     run(
         [
-            str(python),
+            sys.executable,
             "-m",
             "pip",
+            "--python",
+            str(python),
             "install",
             "--quiet",
-            "--no-index",
-            "--no-deps",
             "--disable-pip-version-check",
-            str(wheel),
+            requirement,
         ]
     )
-    purelib = run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
-    )
-    Path(purelib.strip(), "dependencies.pth").write_text(
-        sysconfig.get_paths()["purelib"] + "\n"
-    )
     return python
+
+
+def purelib(python: Path) -> str:
+    """The site-packages directory of the venv of ``python``."""
+    return run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    ).strip()
+
+
+#: What each extra promises, as Python run in a venv with only the package and that
+#: extra (Django set up with the check project's settings). ``FROM_EXTRA`` lists the
+#: modules that must come from the extra's own venv, not from the package's.
+PROMISES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "postgres": (
+        "import psycopg\nfrom django.db.backends.postgresql import base",
+        ("psycopg",),
+    ),
+    "mysql": (
+        "import pymysql\npymysql.install_as_MySQLdb()\n"
+        "from django.db.backends.mysql import base",
+        ("pymysql",),
+    ),
+    # kombu's Redis transport imports what kombu's own redis extra lists (packaging
+    # from kombu 5.7 on); the relay's Redis publisher builds on it.
+    "redis": (
+        "from kombu import Connection\n"
+        "connection = Connection('redis://127.0.0.1:1/0')\n"
+        "assert connection.transport.driver_type == 'redis'\n"
+        "connection.transport.driver_version()\n"
+        "from celery_outbox.broker.redis import RedisPublisher",
+        ("redis",),
+    ),
+    "prometheus": (
+        "import prometheus_client\nfrom celery_outbox.metrics import PrometheusSink\n"
+        "PrometheusSink(prometheus_client.CollectorRegistry())",
+        ("prometheus_client",),
+    ),
+    "sentry": (
+        "import sentry_sdk\nfrom celery_outbox.contrib.sentry import SentryRelayTracing",
+        ("sentry_sdk",),
+    ),
+    "opentelemetry": (
+        "from celery_outbox.contrib.otel import OtelRelayTracing",
+        ("opentelemetry.trace",),
+    ),
+    "structlog": (
+        "from celery_outbox.contrib.logcontext import structlog_available\n"
+        "assert structlog_available()",
+        ("structlog",),
+    ),
+    "progress": (
+        "from celery_outbox.progress import _tqdm_class\nassert _tqdm_class()",
+        ("tqdm",),
+    ),
+}
+#: Extras for working on the package, not for its users.
+DEVELOPMENT_EXTRAS = ("test", "lint", "dev")
+
+#: Run by an extra's venv in the check project: Django set up, then the promise.
+PROMISE = """
+import importlib, os, sys
+from pathlib import Path
+
+os.environ["DJANGO_SETTINGS_MODULE"] = "settings"
+sys.path.insert(0, os.getcwd())
+import django
+
+django.setup()
+exec(sys.argv[1])
+venv = Path(sys.prefix).resolve()
+for name in sys.argv[2:]:
+    origin = Path(importlib.import_module(name).__file__).resolve()
+    if venv not in origin.parents:
+        sys.exit(f"{name} comes from {origin}, not from the extra's venv")
+"""
+
+
+def declared_extras() -> list[str]:
+    """The extras ``pyproject.toml`` offers to users."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {})
+    return [name for name in extras if name not in DEVELOPMENT_EXTRAS]
+
+
+def check_extras(top: Path, wheel: Path, base: Path, project: Path) -> list[str]:
+    """Install each extra in a venv of its own on ``base``; run its promise there."""
+    extras = declared_extras()
+    unpromised = sorted(set(extras) - set(PROMISES))
+    if unpromised:
+        sys.exit(
+            f"check_package: no promise for the extra(s) {', '.join(unpromised)}: "
+            f"add what each makes work to PROMISES in scripts/check_package.py"
+        )
+    (project / "promise.py").write_text(textwrap.dedent(PROMISE))
+    said = []
+    for extra in extras:
+        python = fresh_venv(top / f"extra-{extra}", f"{wheel}[{extra}]", base)
+        code, modules = PROMISES[extra]
+        done = subprocess.run(
+            [str(python), "-I", "promise.py", code, *modules],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            print(done.stdout + done.stderr, file=sys.stderr)
+            sys.exit(
+                f"check_package: 'pip install celery-outbox[{extra}]' does not make "
+                f"its promise work (above)"
+            )
+        said.append(extra)
+    return said
 
 
 def main() -> int:
@@ -212,7 +334,7 @@ def main() -> int:
         top = Path(temp)
         files = build(source_copy(top / "source"), top / "dist")
         [wheel] = [f for f in files if f.suffix == ".whl"]
-        python = fresh_venv(top / "venv", wheel)
+        python = fresh_venv(top / "venv", str(wheel))
         project = top / "project"
         project.mkdir()
         (project / "settings.py").write_text(textwrap.dedent(SETTINGS))
@@ -222,10 +344,15 @@ def main() -> int:
         # -I: neither PYTHON* variables nor the user's site lead back to the source
         # tree; the script puts the project (its working directory) on the path.
         said = run([str(python), "-I", "inspect_wheel.py"], cwd=project)
+        extras = check_extras(top, wheel, Path(purelib(python)), project)
     names = ", ".join(f.name for f in files)
     print(f"check_package: built {names}; twine check --strict passed")
     for line in said.strip().splitlines():
         print(f"check_package: {line}")
+    print(
+        f"check_package: each extra in a venv of its own does what it promises: "
+        f"{', '.join(extras)}"
+    )
     print(f"check_package: done in {time.monotonic() - started:.1f} s")
     return 0
 

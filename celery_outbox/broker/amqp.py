@@ -35,6 +35,7 @@ from .base import (
     explain,
     is_outage,
 )
+from .failover import connect, node_lost, publish_again, time_left
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -263,15 +264,37 @@ class AmqpPublisher:
         self._frames = HeldFrames()
         #: Set while the broker has blocked the connection (a resource alarm).
         self._blocked: str | None = None
+        #: The node of the current connection (URL, password masked), or the last one.
+        self.node = ""
+        #: The connection broke under a batch, and other nodes may answer.
+        self._node_lost = False
 
     # -- Publisher -------------------------------------------------------------
 
     def publish(
         self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
-        """Publish a batch; see the module docstring for how failures are isolated."""
+        """Publish a batch; see the module docstring for how failures are isolated.
+
+        When the node of a failover list the relay was connected to goes away under
+        the batch, what did not go out is sent once more on the next node that
+        answers (:func:`.failover.publish_again`).
+        """
         if not messages:
             return []
+        self._node_lost = False
+        results = self._publish(messages, budget)
+        if self._node_lost and time_left(budget):
+            self._node_lost = False
+            results = publish_again(
+                messages, results, lambda rest: self._publish(rest, budget)
+            )
+            self._node_lost = False
+        return results
+
+    def _publish(
+        self, messages: Sequence[StoredMessage], budget: Budget
+    ) -> list[PublishResult]:
         try:
             results = self._publish_batch(messages, budget)
         except amqp_errors.ChannelError as exc:
@@ -302,6 +325,8 @@ class AmqpPublisher:
         known = self._confirms.results
         written = self._confirms.written
         condition = self._blocked is not None or broker_condition(exc) is not None
+        # The node was up and went away (not an alarm: that holds the whole cluster).
+        self._node_lost = self._blocked is None and node_lost(self._connection, exc)
         self.close()
         error = explain(exc)
         logger.warning("broker outage, no attempt used: %s", error)
@@ -316,10 +341,14 @@ class AmqpPublisher:
             for m in messages
         ]
 
-    def ping(self) -> None:
-        """Open (or reuse) the channel; raises when the broker is unreachable."""
+    def ping(self) -> str:
+        """Open (or reuse) the channel; raises when the broker is unreachable.
+
+        Returns the node that answered (a URL, its password masked).
+        """
         self.encoder.check()  # at start: its warning, if any, comes with the relay's
         self._open_channel()
+        return self.node
 
     def close(self) -> None:
         """Drop the connection; the next batch reconnects."""
@@ -342,7 +371,7 @@ class AmqpPublisher:
         # Nothing an earlier batch left may answer for this one, even when opening
         # the channel fails.
         self._confirms = _Confirms()
-        channel = self._open_channel()
+        channel = self._open_channel(budget.keep_going)
         # Delivery tags count every publish on the channel since confirm_select.
         confirms = self._confirms = _Confirms(self._next_tag)
         written: list[StoredMessage] = []  # without confirms
@@ -416,7 +445,9 @@ class AmqpPublisher:
         """
         channel.basic_qos(0, 0, False)
 
-    def _open_channel(self) -> Any:
+    def _open_channel(self, between: Callable[[], object] | None = None) -> Any:
+        """The publishing channel; connecting first tries every node of a failover
+        list (``between`` runs between two nodes)."""
         if self._channel is not None and self._channel.is_open:
             return self._channel
         if self._connection is None:
@@ -427,7 +458,7 @@ class AmqpPublisher:
                 **(connection.transport_options or {}),
                 "frame_writer": self._frames,
             }
-            connection.ensure_connection(max_retries=0)
+            self.node = connect(connection, between)
             _skip_poll_before_each_publish(connection.connection)
             connection.connection.on_blocked = self._on_blocked
             connection.connection.on_unblocked = self._on_unblocked

@@ -56,8 +56,12 @@ class Publisher(Protocol):
         """Publish ``messages`` in order; one result per message, same order."""
         ...
 
-    def ping(self) -> None:
-        """Raise if the broker cannot be reached now (for health probes)."""
+    def ping(self) -> str | None:
+        """Raise if the broker cannot be reached now (for health probes).
+
+        Returns the node that answered (a URL, its password masked), or None when
+        the publisher has no such notion.
+        """
         ...
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from .base import (
     explain,
     is_outage,
 )
+from .failover import connect, node_lost, publish_again, time_left
 from .topics import use_rabbit_topics
 
 logger = logging.getLogger("celery_outbox.broker")
@@ -42,15 +43,39 @@ class KombuPublisher:
         #: Queue names declared on the current connection (as AmqpPublisher does):
         #: binding a copy of the Queue for every publish cost a quarter of a batch.
         self._declared: set[str] = set()
+        #: The node of the current connection (URL, password masked), or the last one.
+        self.node = ""
+        #: The connection broke under a batch, and other nodes may answer.
+        self._node_lost = False
 
     def publish(
         self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
-        """Publish a batch in one transport batch when possible, else message by message."""
+        """Publish a batch in one transport batch when possible, else message by message.
+
+        When the node of a failover list the relay was connected to goes away under
+        the batch, what did not go out is sent once more on the next node that
+        answers (:func:`.failover.publish_again`).
+        """
         if not messages:
             return []
+        self._node_lost = False
+        results = self._publish(messages, budget)
+        if self._node_lost and time_left(budget):
+            self._node_lost = False
+            results = publish_again(
+                messages, results, lambda rest: self._publish(rest, budget)
+            )
+            self._node_lost = False
+        return results
+
+    def _publish(
+        self, messages: Sequence[StoredMessage], budget: Budget
+    ) -> list[PublishResult]:
         try:
-            results = self._publish_batch(self._open(), messages, budget)
+            results = self._publish_batch(
+                self._open(budget.keep_going), messages, budget
+            )
             if results is not None:
                 return results
         except Exception as exc:
@@ -79,9 +104,13 @@ class KombuPublisher:
             messages[sent:], Outcome.NOT_SENT
         )
 
-    def ping(self) -> None:
-        """Connect (or reuse the connection); raises when the broker is unreachable."""
+    def ping(self) -> str:
+        """Connect (or reuse the connection); raises when the broker is unreachable.
+
+        Returns the node that answered (a URL, its password masked).
+        """
         self._open()
+        return self.node
 
     def close(self) -> None:
         """Drop the connection; the next batch reconnects."""
@@ -99,7 +128,7 @@ class KombuPublisher:
             if not budget.keep_going():
                 return results + all_with(messages[index:], Outcome.NOT_SENT)
             try:
-                self._send(self._open(), message)
+                self._send(self._open(budget.keep_going), message)
             except Exception as exc:
                 if is_outage(exc, self._connection_errors()):
                     return results + self._outage(messages[index:], exc)
@@ -112,15 +141,18 @@ class KombuPublisher:
         self, messages: Sequence[StoredMessage], exc: BaseException
     ) -> list[PublishResult]:
         """Drop the connection; ``messages`` are an outage (no attempt used), and why."""
+        self._node_lost = node_lost(self._connection, exc)
         self.close()
         error = explain(exc)
         logger.warning("broker outage, no attempt used: %s", error)
         return all_with(messages, Outcome.OUTAGE, error)
 
-    def _open(self) -> Any:
+    def _open(self, between: Callable[[], object] | None = None) -> Any:
+        """The producer; connecting first tries every node of a failover list
+        (``between`` runs between two nodes)."""
         if self._producer is None:
             connection = self._connect()
-            connection.ensure_connection(max_retries=0)
+            self.node = connect(connection, between)
             self._declared.clear()
             self._connection = connection
             self._producer = connection.Producer(auto_declare=False)

@@ -65,9 +65,13 @@ class RedisPublisher(KombuPublisher):
     #: The start-up check's verdict on this publisher; None until it ran.
     _checked: bool | None = None
 
-    def ping(self) -> None:
-        """Connect (or reuse the connection) and check the direct path now."""
+    def ping(self) -> str:
+        """Connect (or reuse the connection) and check the direct path now.
+
+        Returns the node that answered (a URL, its password masked).
+        """
         self._direct_path(self._open().channel)
+        return self.node
 
     def _publish_batch(
         self, producer: Any, messages: Sequence[StoredMessage], budget: Budget

@@ -310,11 +310,17 @@ def _run_processor(
 
 
 def _run(processor: Any, write: Callable[[str], None]) -> None:
-    from ..engine.loop import stop_on_signals
+    from ..engine.loop import exit_status, stop_on_signals
 
     with stop_on_signals(processor.stop):
         reason = processor.run()
     write(f"handler processor stopped: {reason.value}")
+    status = exit_status(reason)  # the one mapping of stop reasons, as the relay's
+    if status:
+        raise CommandError(
+            f"handler processor stopped: {reason.value}: {processor.loop.unfinished}",
+            returncode=status,
+        )
 
 
 def _print_stats(

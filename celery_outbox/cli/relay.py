@@ -34,7 +34,10 @@ _OVERRIDES = (
 def add_relay(parser: argparse.ArgumentParser) -> None:
     """``relay``'s flags: each overrides its setting for this process."""
     parser.add_argument(
-        "--until-empty", action="store_true", help="Exit 0 once no row is due."
+        "--until-empty",
+        action="store_true",
+        help="Exit once no row is due: 0, or 1 naming why when rows this run could "
+        "not publish (a broker outage, a refusal waiting for its retry) are left.",
     )
     for flag, kind, metavar in (
         ("--batch-size", int, "N"),
@@ -66,6 +69,7 @@ def add_relay(parser: argparse.ArgumentParser) -> None:
 
 def run_relay(options: dict[str, Any], streams: Streams) -> None:
     """Run the relay until a signal (or until empty)."""
+    from ..engine.loop import exit_status
     from ..relay.runner import build_relay
 
     overrides = {name: options[name] for name in _OVERRIDES}
@@ -86,12 +90,20 @@ def run_relay(options: dict[str, Any], streams: Streams) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    status = exit_status(reason)
+    if status:
+        raise CommandError(
+            f"relay stopped: {reason.value}: {relay.loop.unfinished}",
+            returncode=status,
+        )
 
 
 def run_health(options: dict[str, Any], streams: Streams) -> None:
     """Exit non-zero with a reason when the database or the broker is unreachable."""
     from ..app import resolve_app
-    from ..broker import build_publisher, describe
+    from ..broker import build_publisher
+    from ..broker.base import explain
+    from ..relay.probe import broker_location
     from ..store import outbox_stores
 
     settings = get_settings()
@@ -105,14 +117,18 @@ def run_health(options: dict[str, Any], streams: Streams) -> None:
     except OutboxError as exc:
         problems.append(f"database {alias!r} unreachable: {exc}")
     app = resolve_app(settings)
+    where = broker_location(app)
     publisher = build_publisher(app, settings)
+    node = None
     try:
-        publisher.ping()
+        node = publisher.ping()
     except Exception as exc:
-        problems.append(f"broker unreachable: {describe(exc)}")
+        problems.append(f"broker {where} unreachable: {explain(exc)}")
     finally:
         publisher.close()
     if problems:
         raise CommandError("unhealthy: " + "; ".join(problems))
-    broker = app.connection_for_write().as_uri()
+    broker = node or where
+    if node and ";" in where:  # a failover list: which node answered
+        broker = f"node {node} (of {where})"
     streams.line(f"ok: database {alias!r} and broker {broker} reachable")

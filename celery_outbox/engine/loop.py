@@ -32,6 +32,19 @@ logger = logging.getLogger("celery_outbox.engine")
 #: An idle lane about to rest at least this long asks when its next work falls due.
 ASK_DUE_AFTER = 0.05
 
+#: The exit status of a command whose loop stopped for each reason (the one place
+#: they are decided): a run that left work it could not do undone fails.
+EXIT_STATUSES = {
+    StopReason.SIGNAL: 0,
+    StopReason.EMPTY: 0,
+    StopReason.UNFINISHED: 1,
+}
+
+
+def exit_status(reason: StopReason) -> int:
+    """The exit status of a command whose loop stopped for ``reason``."""
+    return EXIT_STATUSES[reason]
+
 
 class Turn(enum.Enum):
     """How one turn of a lane ended, which decides how long the loop rests."""
@@ -61,6 +74,15 @@ class Lane(Protocol):
         """Called once the loop stops (a last settlement, say)."""
         ...
 
+    def unfinished(self) -> str | None:
+        """What this run tried and could not do that is still waiting, and why.
+
+        None when nothing is. With ``until_empty`` the loop stops as
+        :attr:`StopReason.UNFINISHED` once nothing is due (or it would pause) while
+        this says something.
+        """
+        ...
+
 
 class WakeupSource(Protocol):
     """Something that becomes readable when new rows commit (LISTEN/NOTIFY)."""
@@ -88,7 +110,9 @@ class Pacing:
     #: Touch this file at least every ``liveness_interval`` seconds.
     liveness_file: str | None = None
     liveness_interval: float = 5.0
-    #: Return :attr:`StopReason.EMPTY` once nothing is due.
+    #: Return :attr:`StopReason.EMPTY` once nothing is due, or
+    #: :attr:`StopReason.UNFINISHED` once nothing is due or the lane would pause
+    #: while work it could not do is left.
     until_empty: bool = False
 
 
@@ -121,6 +145,8 @@ class Loop:
         self.stop_at: float | None = None
         self._idle_wait = pacing.min_poll_interval
         self._last_touch = 0.0
+        #: Why the loop stopped as :attr:`StopReason.UNFINISHED` (the lane's words).
+        self.unfinished: str | None = None
 
     def stop(self) -> None:
         """Ask the loop to end the turn in hand and return; safe in a signal handler."""
@@ -151,15 +177,33 @@ class Loop:
             turn = self.lane.turn()
             if turn is Turn.FULL:
                 continue
-            if pacing.until_empty and turn in (Turn.EMPTY, Turn.PARTIAL):
-                if self.lane.turn() is Turn.EMPTY:
-                    return StopReason.EMPTY
-                continue
+            if pacing.until_empty:
+                if turn in (Turn.EMPTY, Turn.PARTIAL):
+                    # One more look: rows may have committed meanwhile.
+                    turn = self.lane.turn()
+                    if turn not in (Turn.EMPTY, Turn.PAUSED):
+                        continue
+                reason = self._until_empty_stop(turn)
+                if reason is not None:
+                    self.lane.finish()
+                    return reason
             seconds = self._rest_seconds(turn)
             notify(self.observers, Idle(seconds))
             self._rest(seconds, woken_by_rows=turn is not Turn.PAUSED)
         self.lane.finish()
         return StopReason.SIGNAL
+
+    def _until_empty_stop(self, turn: Turn) -> StopReason | None:
+        """Whether a run ``until_empty`` ends after an empty or paused ``turn``.
+
+        Waiting for an outage to end is not "until empty": work the lane tried and
+        could not do ends the run as unfinished, with the lane's reason.
+        """
+        left = self.lane.unfinished()
+        if left is not None:
+            self.unfinished = left
+            return StopReason.UNFINISHED
+        return StopReason.EMPTY if turn is Turn.EMPTY else None
 
     def _rest_seconds(self, turn: Turn) -> float:
         if turn is Turn.PAUSED:

@@ -26,6 +26,9 @@ class StopReason(enum.Enum):
     SIGNAL = "signal"
     #: Run with ``until_empty`` and nothing was due.
     EMPTY = "empty"
+    #: Run with ``until_empty``, and work the lane tried and could not do is left
+    #: (rows a broker outage deferred, say): the lane's ``unfinished()`` says what.
+    UNFINISHED = "unfinished"
 
 
 @dataclass(frozen=True)

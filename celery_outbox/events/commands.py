@@ -13,8 +13,10 @@ from typing import Any, Protocol
 
 from django.utils.module_loading import import_string
 from kombu.exceptions import OperationalError as KombuOperationalError
+from kombu.utils.url import maybe_sanitize_url
 
 from ..broker.base import explain
+from ..broker.failover import NoNodeAnswered, connect, node_of, nodes_of
 from ..conf import get_settings
 from ..exceptions import OutboxError
 from ..progress import ProgressBar
@@ -51,10 +53,12 @@ def run(options: dict[str, Any], out: Output) -> None:
         _archive_command(_held_archive(topology), options, out)
         return
     with app.connection_for_write() as connection, _broker_errors(connection):
+        # Every node of a failover list, in kombu's order, before any verb's work.
+        node = connect(connection)
         if command == "declare":
             settings = get_settings()
             declare(connection, topology.all_queues(), settings, topology.service)
-            out.write(f"declared {len(topology.all_queues())} queues\n")
+            out.write(f"declared {len(topology.all_queues())} queues on {node}\n")
         elif command == "stats":
             _stats(connection, topology, held, options, out)
         else:
@@ -70,11 +74,14 @@ def _broker_errors(connection: Any) -> Iterator[None]:
         KombuOperationalError,
         OSError,
     )
+    where = node_of(connection)
+    if nodes_of(connection) > 1:
+        where = ";".join(str(maybe_sanitize_url(str(url))) for url in connection.alt)
     try:
         yield
-    except errors as exc:
+    except (*errors, NoNodeAnswered) as exc:
         raise OutboxError(
-            f"broker {connection.as_uri()}: {explain(exc)}. Check that it runs and "
+            f"broker {where}: {explain(exc)}. Check that it runs and "
             f"that the app's broker_url points at it."
         ) from exc
 

@@ -195,6 +195,10 @@ class Processor:
     def finish(self) -> None:
         """Nothing is left to settle: every message settles in its own turn."""
 
+    def unfinished(self) -> str | None:
+        """Nothing is reported: a failed message waits for its retry in its shard."""
+        return None
+
     def run_once(self) -> int:
         """One pass over every database; returns how many shards were claimed."""
         return self._run_once()[0]

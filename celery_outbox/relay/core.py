@@ -167,3 +167,55 @@ def judge_alone(result: PublishResult) -> PublishResult:
         f"last time with no other message in flight ({result.error}). The message is "
         f"likely too large for the broker (a header over its frame_max?).",
     )
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """Rows this run tried to publish and put back unsent: what it could not do.
+
+    A row deferred by an outage or refused and waiting for its retry is here until
+    a later batch settles it otherwise (published, dead-lettered, held, blocked). A
+    run ``until_empty`` that ends with rows here has not emptied anything: it says
+    so (:meth:`describe`) and fails.
+    """
+
+    #: (row id, its latest result), oldest first.
+    rows: tuple[tuple[int, PublishResult], ...] = ()
+
+    def after_batch(
+        self, results: Iterable[PublishResult], settlement: Settlement
+    ) -> Unsent:
+        """The rows left unsent after a batch with these results and settlement."""
+        rows = dict(self.rows)
+        retrying = {d.message_id for d in settlement.retry}
+        changed = False
+        for result in results:
+            if result.outcome is Outcome.OUTAGE or result.message_id in retrying:
+                rows[result.message_id] = result
+                changed = True
+            elif rows.pop(result.message_id, None) is not None:
+                changed = True
+        return Unsent(tuple(rows.items())) if changed else self
+
+    def describe(self) -> str | None:
+        """How many rows wait unsent and why (the latest reason of each kind); None
+        when none does."""
+        if not self.rows:
+            return None
+        outages = [r for _, r in self.rows if r.outcome is Outcome.OUTAGE]
+        refused = [r for _, r in self.rows if r.outcome is not Outcome.OUTAGE]
+        parts = []
+        if outages:
+            parts.append(
+                f"{len(outages)} deferred by a broker outage (no attempt used): "
+                f"{outages[-1].error or 'no reason given'}"
+            )
+        if refused:
+            parts.append(
+                f"{len(refused)} refused by the broker, waiting for their retry: "
+                f"{refused[-1].error or 'no reason given'}"
+            )
+        return (
+            f"{len(self.rows)} row(s) this run could not publish wait in the outbox: "
+            + "; ".join(parts)
+        )

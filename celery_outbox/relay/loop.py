@@ -26,7 +26,7 @@ from ..ordering.core import ordered_settlement
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from ..store import Claim, RelayStore, SettleReport
 from .config import RelayConfig
-from .core import Breaker, Suspects, judge_alone, settle
+from .core import Breaker, Suspects, Unsent, judge_alone, settle
 from .observations import (
     BatchHook,
     BatchSettled,
@@ -79,6 +79,8 @@ class Relay:
         self.batch_hooks = list(batch_hooks)
         self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
         self.suspects = Suspects(config.isolate_after)
+        #: Rows this run put back unsent (an outage, a refusal waiting for its retry).
+        self.unsent = Unsent()
         self._unsettled: tuple[str, Settlement] | None = None
         #: Set while :meth:`run` runs with ``config.prefetch`` on a database that
         #: takes concurrent claims.
@@ -161,6 +163,10 @@ class Relay:
         """Seconds until the next scheduled row falls due (the relay wakes for it)."""
         return self._seconds_until_due()
 
+    def unfinished(self) -> str | None:
+        """The rows this run could not publish that wait in the outbox, and why."""
+        return self.unsent.describe()
+
     def finish(self) -> None:
         """One last try at a settlement a database error left behind."""
         if self._unsettled is not None:
@@ -241,6 +247,7 @@ class Relay:
         )
         self._note_breaker(results)
         self.suspects = self.suspects.after_batch(results)
+        self.unsent = self.unsent.after_batch(results, settlement)
         report = self._settle(claim.token, settlement)
         if report is not None:
             event = BatchSettled(

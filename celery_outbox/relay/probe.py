@@ -78,7 +78,7 @@ def probe_database(store: RelayQueries) -> Probe:
 def probe_broker(publisher: Publisher, where: str) -> Probe:
     """Connect to the broker once; a failure is logged and the relay goes on."""
     try:
-        publisher.ping()
+        node = publisher.ping()
     except Exception as exc:  # every failure is worth a line; none stops the relay
         publisher.close()
         error = explain(exc)
@@ -89,5 +89,8 @@ def probe_broker(publisher: Publisher, where: str) -> Probe:
             error,
         )
         return Probe(where, error, exc)
-    logger.info("broker %s: connected", where)
+    if node and ";" in where:  # a failover list: say which node answered
+        logger.info("broker %s: connected to node %s", where, node)
+    else:
+        logger.info("broker %s: connected", where)
     return Probe(where)

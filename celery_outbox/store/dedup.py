@@ -6,14 +6,27 @@ second enqueue with a held key writes nothing. Taking a key is an INSERT into
 ``celery_outbox_dedup_key``, whose primary key is the key: a concurrent enqueue of
 the same key waits for the first transaction to end, then finds its row (committed)
 or takes the key (rolled back), on every database.
+
+InnoDB (MySQL, MariaDB) needs one writer at a time at a key no row holds yet. Writers
+that wait on the INSERT of an uncommitted key take shared locks on it; once that
+transaction ends, two of them that go on to insert, or to lock the row they found,
+each wait for the other's shared lock: a deadlock, which rolls back a caller's whole
+transaction (a retry inside a savepoint cannot save it). Locking the key's row first
+is not enough: when its holder rolls back, the writers that waited for it insert at
+once and the same happens among them (three waiting writers: a deadlock in every
+round). So on InnoDB the step that finds or inserts a key no row holds runs under a
+named lock of that key (``GET_LOCK``, released as soon as the step is done): the
+writers of a key queue there, and at most one waits on the key's row at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 
 from ..envelope import Envelope
 from .base import StoreBase
@@ -47,15 +60,16 @@ class DedupKeys(StoreBase):
         # caller's transaction (PostgreSQL's now()).
         until_sql, until_params = dialect.after(window, clock=True)
         with self._translated(), transaction.atomic(using=self.alias):
-            # InnoDB: writers that wait on the INSERT of an uncommitted key hold
-            # shared locks on it; when its transaction rolls back, two of them
-            # insert at once and deadlock. A locking read waits with an exclusive
-            # lock instead, which a rollback leaves to nobody.
-            found = self._holder(key) if dialect.duplicates_deadlock else None
-            while found is None:
-                if self._insert(key, task_id, until_sql, until_params):
+            found = None
+            if dialect.duplicates_deadlock and self._visible(key):
+                # A row this transaction sees (committed, or its own): locking it
+                # never waits on an insert, so no named lock is needed.
+                found = self._holder(key)
+            if found is None:
+                with self._one_writer(key):
+                    found = self._take(key, task_id, until_sql, until_params)
+                if found is None:
                     return None
-                found = self._holder(key)  # a concurrent writer took it first
             holder, in_window = found
             if in_window:
                 return holder
@@ -71,6 +85,53 @@ class DedupKeys(StoreBase):
                     [task_id, *until_params, key],
                 )
         return None
+
+    def _take(
+        self, key: str, task_id: str, until_sql: str, until_params: list[Any]
+    ) -> tuple[str, bool] | None:
+        """Insert ``key`` for ``task_id`` (None), or find the row that holds it, locked.
+
+        On InnoDB the row is locked first: an exclusive wait for a writer that has
+        not committed yet, never the shared lock a refused INSERT takes.
+        """
+        found = self._holder(key) if self.dialect.duplicates_deadlock else None
+        while found is None:
+            if self._insert(key, task_id, until_sql, until_params):
+                return None
+            found = self._holder(key)  # a concurrent writer took it first
+        return found
+
+    @contextlib.contextmanager
+    def _one_writer(self, key: str) -> Iterator[None]:
+        """On InnoDB, hold the named lock of ``key`` while the block runs.
+
+        Writers of one key queue for it (as long as InnoDB lets a row lock wait);
+        locks of other keys are others. Released when the block ends, whatever
+        happens: the key's row, once inserted, holds the key for the transaction.
+        """
+        if not self.dialect.duplicates_deadlock:
+            yield
+            return
+        name = _lock_name(str(self.connection.settings_dict["NAME"]), key)
+        with self.connection.cursor() as cursor:
+            cursor.execute("SELECT GET_LOCK(%s, @@innodb_lock_wait_timeout)", [name])
+            row = cursor.fetchone()
+        if row is None or row[0] != 1:
+            raise OperationalError(
+                f"waited longer than innodb_lock_wait_timeout for dedup_key {key!r} "
+                f"(named lock {name!r}): another transaction holding it runs long"
+            )
+        try:
+            yield
+        finally:
+            with self.connection.cursor() as cursor:
+                cursor.execute("SELECT RELEASE_LOCK(%s)", [name])
+
+    def _visible(self, key: str) -> bool:
+        """Whether this transaction sees a row of ``key`` (a read that locks nothing)."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(f"SELECT 1 FROM {DEDUP_TABLE} WHERE dedup_key = %s", [key])
+            return cursor.fetchone() is not None
 
     def _insert(
         self, key: str, task_id: str, until_sql: str, until_params: list[Any]
@@ -126,3 +187,10 @@ class DedupKeys(StoreBase):
             ),
             chunk_size,
         )
+
+
+def _lock_name(database: str, key: str) -> str:
+    """The named lock of ``key`` in ``database``: named locks are server-wide, and
+    their names at most 64 characters long."""
+    digest = hashlib.sha1(f"{database}\x00{key}".encode(), usedforsecurity=False)
+    return f"celery_outbox.dedup.{digest.hexdigest()}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -178,3 +180,120 @@ def test_concurrent_writers_of_one_key_write_one_row(alias: str, settings: Any) 
     assert results["second"] == results["first"]
     assert second_done_at[0] >= first_committed_at[0] - 0.05  # it waited
     assert waiting(alias) == [results["first"]]
+
+
+class HolderRollsBack(Exception):
+    """Raised by the key's first holder to roll its transaction back."""
+
+
+#: Rounds per case: the deadlock came in 10 of 10 rounds with three writers waiting.
+ROUNDS = 4
+#: How long the first holder keeps its key before it rolls back.
+HOLD = 0.6
+
+
+@dataclass
+class Race:
+    """One round: a holder takes a key and rolls back while ``waiting`` writers wait."""
+
+    alias: str
+    waiting: int
+    taker_rolls_back: bool
+    key: str = field(default_factory=lambda: f"rollback-{uuid.uuid4().hex[:8]}")
+    holds: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Task ids the committed writers got back.
+    results: list[str] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    #: The writers that took the key and rolled back.
+    rolled_back: list[int] = field(default_factory=list)
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self.holder)]
+        threads += [
+            threading.Thread(target=self.writer, args=(n,)) for n in range(self.waiting)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads)
+
+    def holder(self) -> None:
+        try:
+            with transaction.atomic(using=self.alias):
+                record.apply_async(("holder",), dedup_key=self.key, ignore_result=True)
+                self.holds.set()
+                time.sleep(HOLD)  # the writers wait for the key meanwhile
+                raise HolderRollsBack
+        except HolderRollsBack:
+            pass
+        except BaseException as exc:
+            with self.lock:
+                self.errors.append(exc)
+        finally:
+            self.holds.set()
+            connections[self.alias].close()
+
+    def writer(self, n: int) -> None:
+        mine = uuid.uuid4().hex
+        try:
+            assert self.holds.wait(10)
+            with transaction.atomic(using=self.alias):
+                # Written before the key: a deadlock would roll it back too.
+                Order.objects.using(self.alias).create(number=f"{self.key}-{n}")
+                sent = record.apply_async(
+                    (f"w{n}",), dedup_key=self.key, ignore_result=True, task_id=mine
+                )
+                if self._rolls_back(n, took=sent.id == mine):
+                    time.sleep(HOLD / 2)  # the rest wait for this one now
+                    raise HolderRollsBack
+            with self.lock:
+                self.results.append(str(sent.id))
+        except HolderRollsBack:
+            pass
+        except BaseException as exc:
+            with self.lock:
+                self.errors.append(exc)
+        finally:
+            connections[self.alias].close()
+
+    def _rolls_back(self, n: int, *, took: bool) -> bool:
+        """Whether writer ``n``, which took the key or not, rolls back (the first taker)."""
+        with self.lock:
+            if self.taker_rolls_back and took and not self.rolled_back:
+                self.rolled_back.append(n)
+                return True
+        return False
+
+
+@pytest.mark.parametrize(
+    ("waiting", "taker_rolls_back"), [(3, False), (5, False), (5, True)]
+)
+@pytest.mark.parametrize("alias", ["mysql", "default"])
+def test_writers_waiting_on_a_key_whose_holder_rolls_back_see_no_error(
+    alias: str, waiting: int, taker_rolls_back: bool, settings: Any
+) -> None:
+    """One writer holds a key and rolls back while ``waiting`` others wait for it.
+
+    Every other writer's enqueue returns; one of them takes the key, the rest get
+    its task (with ``taker_rolls_back``, the first to take it rolls back too, and
+    the next one takes it). On MariaDB three waiting writers got a deadlock (1213),
+    which rolls back the caller's whole transaction, in every round (#37).
+    """
+    settings.CELERY_OUTBOX_DATABASE = alias
+    settings.CELERY_OUTBOX_PUBLISH_ON_COMMIT = False
+    for round_ in range(ROUNDS):
+        race = Race(alias, waiting, taker_rolls_back)
+        race.run()
+        assert race.errors == [], f"round {round_}: {race.errors!r}"
+        assert len(race.rolled_back) == int(taker_rolls_back), f"round {round_}"
+        committed = waiting - len(race.rolled_back)
+        rows = list(
+            OutboxMessage.objects.using(alias).values_list("task_id", flat=True)
+        )
+        assert len(rows) == 1, f"round {round_}: {rows}"
+        assert race.results == rows * committed, f"round {round_}"
+        orders = Order.objects.using(alias).filter(number__startswith=race.key)
+        assert orders.count() == committed, f"round {round_}"
+        OutboxMessage.objects.using(alias).all().delete()

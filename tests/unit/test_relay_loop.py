@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from celery_outbox.broker import InMemoryPublisher
+from celery_outbox.engine.loop import exit_status
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
@@ -217,3 +218,62 @@ def test_the_old_listeners_keyword_still_reaches_the_observers() -> None:
 
     assert world.published() != []
     assert any(isinstance(event, BatchSettled) for event in seen)
+
+
+# -- until empty: a run that could not publish says so (#37) ---------------------
+
+
+@pytest.mark.parametrize("rows", [3, 45])  # less than a batch; past the breaker
+def test_until_empty_with_the_broker_down_ends_unfinished_naming_why(
+    rows: int,
+) -> None:
+    world = World(until_empty=True)
+    world.publisher.down = True
+    world.enqueue(*[f"t{n}" for n in range(rows)])
+    assert world.relay.run() is StopReason.UNFINISHED
+    left = world.relay.loop.unfinished
+    assert left is not None
+    assert "deferred by a broker outage (no attempt used)" in left
+    assert "ConnectionRefusedError: down" in left
+    assert world.store.pending() == rows
+    assert {r.attempts for r in world.store.rows} == {0}
+    assert exit_status(StopReason.UNFINISHED) != 0
+
+
+def test_until_empty_ends_unfinished_while_a_refused_row_waits_for_its_retry() -> None:
+    world = World(InMemoryPublisher(refuse("poison")), until_empty=True)
+    good = world.enqueue("good")
+    world.enqueue("poison")
+    assert world.relay.run() is StopReason.UNFINISHED
+    assert world.published() == good
+    left = world.relay.loop.unfinished
+    assert left is not None
+    assert left.startswith("1 row(s) this run could not publish wait in the outbox")
+    assert f"refused by the broker, waiting for their retry: {REFUSED}" in left
+    # Once it is dead-lettered nothing waits unsent: the run is done.
+    world.clock.advance(60)
+    world.relay.run()
+    world.clock.advance(60)
+    assert world.relay.run() is StopReason.EMPTY
+    assert len(world.store.dead) == 1
+
+
+def test_rows_an_outage_deferred_and_a_later_batch_published_leave_nothing_unfinished() -> (
+    None
+):
+    world = World(until_empty=True)
+    sent = world.enqueue("a", "b")
+    world.publisher.down = True
+    assert world.relay.run() is StopReason.UNFINISHED
+    world.publisher.down = False
+    world.clock.advance(POLICY.outage_cooldown)
+    assert world.relay.run() is StopReason.EMPTY
+    assert world.published() == sent
+
+
+def test_every_stop_reason_has_one_exit_status_and_only_unfinished_fails() -> None:
+    assert {reason: exit_status(reason) for reason in StopReason} == {
+        StopReason.SIGNAL: 0,
+        StopReason.EMPTY: 0,
+        StopReason.UNFINISHED: 1,
+    }
