@@ -147,7 +147,9 @@ def _delete_test_queue(
 
 #: Under scripts/stages.py (``OUTBOX_STAGE`` set), the run writes how many tests it
 #: ran, by outcome, and its slowest ones, for the stage table at the end of make test.
-_STAGE = os.environ.get("OUTBOX_STAGE")
+#: Taken out of the environment: a pytest this run starts (the plugin's and the fast
+#: lane's own tests run pytest in subprocesses) is no stage's and writes nothing.
+_STAGE = os.environ.pop("OUTBOX_STAGE", None)
 #: How many of a run's slowest tests it writes (the report keeps ten of all runs).
 _SLOWEST_KEPT = 25
 _durations: dict[str, float] = {}
