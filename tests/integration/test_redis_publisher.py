@@ -28,6 +28,7 @@ from celery_outbox.broker.kombu import KombuPublisher
 from celery_outbox.broker.redis import RedisPublisher, direct_path_available
 from celery_outbox.envelope import JsonObject, StoredMessage, dump_json
 from celery_outbox.outcomes import Outcome
+from tests import topologies
 
 from ..conftest import BROKER_REDIS
 from .builders import envelope
@@ -66,9 +67,9 @@ def names() -> Iterator[Names]:
         client.delete(*keys)
 
 
-def snapshot(tag: str) -> dict[str, list[dict[str, Any]]]:
+def snapshot(tag: str, url: str = BROKER_REDIS) -> dict[str, list[dict[str, Any]]]:
     """Every list whose name holds ``tag``: its decoded entries, delivery tags checked and dropped."""
-    client = redis.Redis.from_url(BROKER_REDIS)
+    client = redis.Redis.from_url(url)
     lists: dict[str, list[dict[str, Any]]] = {}
     for key in client.scan_iter(match=f"*{tag}*"):
         if client.type(key) != b"list":
@@ -305,9 +306,17 @@ def test_a_batch_stops_when_the_budget_says_so(names: Names) -> None:
     assert redis.Redis.from_url(BROKER_REDIS).llen(queue) == 2
 
 
-def lpush_calls() -> int:
-    """How many LPUSH commands the Redis server has run since it started."""
-    stats = redis.Redis.from_url(BROKER_REDIS).info("commandstats")
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of a Redis server of this module's own: its command counts are the
+    publisher's alone (the shared server's count every test run's pushes)."""
+    with topologies.redis_server(tmp_path_factory.mktemp("own-redis")) as server:
+        yield server.url
+
+
+def lpush_calls(url: str) -> int:
+    """How many LPUSH commands the Redis server at ``url`` has run since it started."""
+    stats = redis.Redis.from_url(url).info("commandstats")
     return int(stats.get("cmdstat_lpush", {}).get("calls", 0))
 
 
@@ -320,7 +329,7 @@ def lpush_calls() -> int:
     ],
 )
 def test_each_list_gets_one_push_with_its_messages_in_order(
-    names: Names, push_bytes: int, commands: int
+    names: Names, own_redis: str, push_bytes: int, commands: int
 ) -> None:
     first, second = names.queue, f"{names.queue}-second"
     envelopes = []
@@ -338,25 +347,25 @@ def test_each_list_gets_one_push_with_its_messages_in_order(
         )
     messages = stored(*envelopes)
     publisher = RedisPublisher(
-        lambda: Connection(BROKER_REDIS), lambda n: Queue(n, routing_key=n)
+        lambda: Connection(own_redis), lambda n: Queue(n, routing_key=n)
     )
     publisher.PUSH_BYTES = push_bytes
     try:
         publisher.publish(messages[:1], FixedBudget(time.monotonic() + 10))
         publisher.publish(messages[2:3], FixedBudget(time.monotonic() + 10))
-        client = redis.Redis.from_url(BROKER_REDIS)
+        client = redis.Redis.from_url(own_redis)
         client.delete(first, second)  # both queues are declared now
-        before = lpush_calls()
+        before = lpush_calls(own_redis)
         results = publisher.publish(messages, FixedBudget(time.monotonic() + 10))
-        after = lpush_calls()
+        after = lpush_calls(own_redis)
     finally:
         publisher.close()
     assert {r.outcome for r in results} == {Outcome.PUBLISHED}
-    with Connection(BROKER_REDIS) as conn:
+    with Connection(own_redis) as conn:
         direct = direct_path_available(conn.default_channel)
     # Before kombu 5.7 the publisher falls back to kombu's Producer: one each.
     assert after - before == (commands if direct else len(messages))
-    lists = snapshot(names.tag)
+    lists = snapshot(names.tag, own_redis)
     # A consumer pops from the right: the oldest message first.
     for queue in (first, second):
         popped = [entry["headers"]["id"] for entry in reversed(lists[queue])]
