@@ -12,8 +12,8 @@ it into retry step 0, and its ``x-death`` count is added.
 
 How the subscriber ended decides (:func:`decision_for`): an exception is a failure
 (retried while it is in ``retry_for`` and steps remain), ``Reject(requeue=True)`` and
-``Retry`` give the event back (the next step, whatever ``retry_for`` says),
-``Reject(requeue=False)`` refuses it (archived at once), and ``Ignore`` ends it (acked,
+``Retry`` ask for a retry (the next step, whatever ``retry_for`` says),
+``Reject(requeue=False)`` rejects it (archived at once), and ``Ignore`` ends it (acked,
 nothing retried or archived). A hard time limit and a lost process end the delivery
 outside this code; the worker's main process settles them the same way
 (:func:`settle_outside`, called by :class:`~.endings.DeliveryRequest`).
@@ -87,9 +87,9 @@ def decision_for(
 ) -> Decision:
     """The fate of a delivery whose subscriber ended with ``exc`` (not ``Ignore``).
 
-    ``Reject(requeue=False)``: the subscriber refuses the event, archived at once.
+    ``Reject(requeue=False)``: the subscriber rejects the event, archived at once.
     ``Reject(requeue=True)`` and ``Retry`` (``self.retry()`` without an exception):
-    given back, it takes the next step whatever ``retry_for`` says, counted like any
+    it asks for a retry, the next step whatever ``retry_for`` says, counted like any
     retry, so it is archived after the last. Anything else is a failure, retried
     while it is one of ``retry_for`` (a hard time limit is ``TimeLimitExceeded``, a
     lost process ``WorkerLostError``).
@@ -97,8 +97,8 @@ def decision_for(
     requeue = bool(getattr(exc, "requeue", False))
     if isinstance(exc, Reject) and not requeue:
         return Decision(Fate.ARCHIVE)
-    given_back = isinstance(exc, (Reject, Retry))
-    return decide(retries, steps, given_back or isinstance(exc, retry_for))
+    asked = isinstance(exc, (Reject, Retry))
+    return decide(retries, steps, asked or isinstance(exc, retry_for))
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def _settle(
     When that fails, RabbitMQ's TTL queues take it: ``Reject`` without requeue
     dead-letters it into retry step 0 (counted through ``x-death``). Where the
     database holds the retries (it is down, most likely), the event is published
-    again to its queue as it came (:func:`_give_back`), and ``Reject`` with requeue
+    again to its queue as it came (:func:`_requeue`), and ``Reject`` with requeue
     is the last resort.
     """
     try:
@@ -188,7 +188,7 @@ def _settle(
         )
         raise Reject(unwritten, requeue=False) from unwritten
     try:
-        _give_back(task, target, args, kwargs)
+        _requeue(task, target, args, kwargs)
     except Exception as also:
         logger.error(
             "event %s (%s): its retry could not be written (%r) nor the event "
@@ -208,7 +208,7 @@ def _settle(
     )
 
 
-def _give_back(task: Any, target: _Target, args: Any, kwargs: Any) -> None:
+def _requeue(task: Any, target: _Target, args: Any, kwargs: Any) -> None:
     """Publish the running event again, as it came (same retries), to its own queue
     by name: what a requeue means, on every broker. kombu's Redis transport would
     restore a requeued copy by the events exchange's routing, which the worker's

@@ -137,8 +137,8 @@ ENDINGS = [
     ("trial.soft", "soft", 1 + STEPS, "SoftTimeLimitExceeded"),
     ("other.lost", "lost", 1 + STEPS, "WorkerLostError"),
     ("trial.ignore", "ignore", 1, None),
-    ("trial.reject", "reject", 1, "reject requeue=False: refused on purpose"),
-    ("trial.requeue", "requeue", 1 + STEPS, "reject requeue=True: given back"),
+    ("trial.reject", "reject", 1, "reject requeue=False: rejected on purpose"),
+    ("trial.requeue", "requeue", 1 + STEPS, "reject requeue=True: requeued on purpose"),
 ]
 
 
@@ -147,8 +147,8 @@ def test_every_ending_of_a_subscriber_is_settled_once_and_counted(
     e2e: Any, broker: str
 ) -> None:
     """Each event fired once, all at once: those that fail (raising, past a time
-    limit, killing their process, giving the event back) take every retry step,
-    then the archive; a refused one is archived at once; an ignored one is done."""
+    limit, killing their process, requeueing the event) take every retry step,
+    then the archive; a rejected one is archived at once; an ignored one is done."""
     with endings_service(e2e, broker) as service:
         for number, (event, how, _, _) in enumerate(ENDINGS):
             service.fire(event, number, how)

@@ -34,9 +34,9 @@ def on_trial(number: int, how: str) -> None:
     if how == "ignore":
         raise Ignore()
     if how == "reject":
-        raise Reject("refused on purpose", requeue=False)
+        raise Reject("rejected on purpose", requeue=False)
     if how == "requeue":
-        raise Reject("given back on purpose", requeue=True)
+        raise Reject("requeued on purpose", requeue=True)
     if how == "soft":
         time.sleep(30)  # the soft time limit raises SoftTimeLimitExceeded in here
     if how == "hard":

@@ -230,7 +230,7 @@ def test_a_delivery_ended_outside_its_process_after_the_last_step_is_archived(
     assert type(exc).__name__ in kept.error
 
 
-def test_a_retry_that_cannot_be_written_is_given_back_to_its_queue(
+def test_a_retry_that_cannot_be_written_is_requeued_by_name(
     service: Service,
 ) -> None:
     """The database holding the retries is down: the event goes back to its queue,

@@ -462,7 +462,7 @@ def test_the_archive_commands_work_on_the_dead_letters(
     assert "outbox: archived (dead letters)\t0" in stats
 
 
-def test_a_retry_that_cannot_be_written_is_given_back_to_its_queue_not_dropped(
+def test_a_retry_that_cannot_be_written_is_requeued_by_name_not_dropped(
     held: HeldServices,
 ) -> None:
     """Redis drops a message rejected without requeue, and one requeued when it came
@@ -522,8 +522,8 @@ def test_another_service_handling_the_same_event_has_its_own_inbox_key(
     assert effects() == 2
 
 
-# -- How a subscriber ends its event: Ignore ends it, Reject(requeue=False) refuses
-# it, Reject(requeue=True) gives it back.
+# -- How a subscriber ends its event: Ignore ends it, Reject(requeue=False) rejects
+# it (archived), Reject(requeue=True) asks for a retry.
 
 
 def ends_with(
@@ -569,10 +569,10 @@ def test_a_subscriber_that_rejects_its_event_has_it_archived_at_once(
 
     app = held.app("billing")
 
-    def refused() -> Reject:
+    def rejected() -> Reject:
         return Reject("cannot read it", requeue=False)
 
-    registry_of(app).add_subscriber("order.*", ends_with(refused, []), inbox=True)
+    registry_of(app).add_subscriber("order.*", ends_with(rejected, []), inbox=True)
     topology = held.declare(app)
     event_id = str(uuid.uuid4())
     deliver_once(app, event_id, 0)  # retry steps left: not used
@@ -583,7 +583,7 @@ def test_a_subscriber_that_rejects_its_event_has_it_archived_at_once(
     assert effects() == 0  # rolled back with the inbox row: a replay runs it again
 
 
-def test_a_subscriber_that_gives_its_event_back_takes_the_next_step_then_the_archive(
+def test_a_subscriber_that_requeues_its_event_takes_the_next_step_then_the_archive(
     held: HeldServices,
 ) -> None:
     """``Reject(requeue=True)``: retried on the lane's schedule whatever
@@ -592,11 +592,11 @@ def test_a_subscriber_that_gives_its_event_back_takes_the_next_step_then_the_arc
 
     app = held.app("billing")
 
-    def given_back() -> Reject:
+    def requeued() -> Reject:
         return Reject("not now", requeue=True)
 
     registry_of(app).add_subscriber(
-        "order.*", ends_with(given_back, []), retry_for=(KeyError,)
+        "order.*", ends_with(requeued, []), retry_for=(KeyError,)
     )
     topology = held.declare(app)
     event_id = str(uuid.uuid4())

@@ -84,9 +84,9 @@ class NotRetried(Exception):
         (NotRetried(), Decision(Fate.ARCHIVE), Decision(Fate.ARCHIVE)),
         (TimeLimitExceeded(2), Decision(Fate.RETRY, 0), Decision(Fate.ARCHIVE)),
         (WorkerLostError(), Decision(Fate.RETRY, 0), Decision(Fate.ARCHIVE)),
-        # Refused: archived at once, retries left or not.
+        # Rejected: archived at once, retries left or not.
         (Reject("bad", requeue=False), Decision(Fate.ARCHIVE), Decision(Fate.ARCHIVE)),
-        # Given back: the next step whatever retry_for says, counted all the same.
+        # A retry asked for: the next step whatever retry_for says, counted all the same.
         (
             Reject("later", requeue=True),
             Decision(Fate.RETRY, 0),
