@@ -7,8 +7,16 @@ to the service's archive. The original message is acked only after that publish
 returned (with publisher confirms), so a crash in between redelivers it: nothing is
 held in worker memory and the count is exact, which rejection-based routing cannot
 give (a rejected message keeps its headers; only RabbitMQ's ``x-death`` counts it).
-Rejections still happen (a time limit, an error while publishing the retry): the
-queue dead-letters them into retry step 0, and their ``x-death`` count is added.
+A rejection still happens when the retry cannot be published: the queue dead-letters
+it into retry step 0, and its ``x-death`` count is added.
+
+How the subscriber ended decides (:func:`decision_for`): an exception is a failure
+(retried while it is in ``retry_for`` and steps remain), ``Reject(requeue=True)`` and
+``Retry`` ask for a retry (the next step, whatever ``retry_for`` says),
+``Reject(requeue=False)`` rejects it (archived at once), and ``Ignore`` ends it (acked,
+nothing retried or archived). A hard time limit and a lost process end the delivery
+outside this code; the worker's main process settles them the same way
+(:func:`settle_outside`, called by :class:`~.endings.DeliveryRequest`).
 
 Where the database holds the retries (Redis), :mod:`.held` writes the retry to the
 outbox, due later, or the event to the dead letters; see there.
@@ -24,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject, Retry
+from kombu import Exchange, Queue
 
 from ..text import storable
 from . import held
@@ -36,7 +45,16 @@ from .topology import ServiceTopology, retry_delay
 
 logger = logging.getLogger("celery_outbox.events")
 
-__all__ = ["ERROR_HEADER", "FAILED_AT_HEADER", "Decision", "Fate", "decide", "deliver"]
+__all__ = [
+    "ERROR_HEADER",
+    "FAILED_AT_HEADER",
+    "Decision",
+    "Fate",
+    "decide",
+    "decision_for",
+    "deliver",
+    "settle_outside",
+]
 
 
 class Fate(enum.Enum):
@@ -61,61 +79,155 @@ def decide(retries: int, steps: int, retryable: bool) -> Decision:
     return Decision(Fate.ARCHIVE)
 
 
-def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
-    """Body of :data:`~.registry.DELIVER_TASK`: one event, one subscriber in this service."""
+def decision_for(
+    exc: BaseException,
+    retries: int,
+    steps: int,
+    retry_for: tuple[type[BaseException], ...],
+) -> Decision:
+    """The fate of a delivery whose subscriber ended with ``exc`` (not ``Ignore``).
+
+    ``Reject(requeue=False)``: the subscriber rejects the event, archived at once.
+    ``Reject(requeue=True)`` and ``Retry`` (``self.retry()`` without an exception):
+    it asks for a retry, the next step whatever ``retry_for`` says, counted like any
+    retry, so it is archived after the last. Anything else is a failure, retried
+    while it is one of ``retry_for`` (a hard time limit is ``TimeLimitExceeded``, a
+    lost process ``WorkerLostError``).
+    """
+    requeue = bool(getattr(exc, "requeue", False))
+    if isinstance(exc, Reject) and not requeue:
+        return Decision(Fate.ARCHIVE)
+    asked = isinstance(exc, (Reject, Retry))
+    return decide(retries, steps, asked or isinstance(exc, retry_for))
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a delivery's retry or archive goes: its service, queue and subscriber."""
+
+    topology: ServiceTopology
+    queue: str
+    #: None: no subscriber of this service matches the event (any more).
+    subscriber: Subscriber | None
+
+
+def _target(task: Any) -> _Target:
     request = task.request
     event = event_of(request)
     registry = registry_of(task.app)
     topology = registry.topology()
-    subscriber = registry.subscriber_for(event) if isinstance(event, str) else None
-    if subscriber is None:
-        # A subscriber removed while its queue still held events: keep them for replay.
-        queue = _queue_of(request)
-        if not queue.startswith(f"{topology.prefix}:"):
-            queue = f"{topology.prefix}:{event}"
-        _archive(
-            task,
-            topology,
-            queue,
-            args,
-            kwargs,
-            _retries(request),
-            f"no subscriber to {event!r} in this service",
-        )
+    subscriber = registry.subscriber_for(event) if event is not None else None
+    if subscriber is not None:
+        return _Target(topology, topology.queue_name(subscriber.pattern), subscriber)
+    # A subscriber removed while its queue still held events: keep them for replay.
+    queue = _queue_of(request)
+    if not queue.startswith(f"{topology.prefix}:"):
+        queue = f"{topology.prefix}:{event}"
+    return _Target(topology, queue, None)
+
+
+def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
+    """Body of :data:`~.registry.DELIVER_TASK`: one event, one subscriber in this service."""
+    target = _target(task)
+    if target.subscriber is None:
+        _settle(task, target, None, args, kwargs)
         return
-    queue = topology.queue_name(subscriber.pattern)
     try:
-        run_subscriber(subscriber.task, topology.service, str(request.id), args, kwargs)
+        run_subscriber(
+            target.subscriber.task, target.topology.service, str(task.request.id),
+            args, kwargs,
+        )  # fmt: skip
+    except Ignore:
+        raise  # the subscriber ended the event itself: acked, nothing retried or kept
     except Exception as exc:
-        try:
-            _after_failure(task, subscriber, topology, queue, exc, args, kwargs)
-        except Exception as lost:
-            if topology.retries is Retries.BROKER:
-                raise  # rejected: the queue dead-letters it into retry step 0
-            # Redis drops a message rejected without requeue: put it back instead.
-            logger.error(
-                "event %s (%s): its retry could not be written (%r); requeued",
-                event,
-                request.id,
-                lost,
-            )
-            raise Reject(lost, requeue=True) from lost
+        _settle(task, target, exc, args, kwargs)
+
+
+def settle_outside(task: Any, exc: BaseException, args: Any, kwargs: Any) -> None:
+    """Retry or archive a delivery that ended outside its process (``exc``: the hard
+    time limit's ``TimeLimitExceeded``, a lost process's ``WorkerLostError``), as
+    :func:`deliver` does for a subscriber that raised it.
+
+    Called by the worker's main process with the delivery's request pushed on
+    ``task``. Raises ``Reject`` (with the requeue the retries' holder needs) when the
+    retry or archive could not be written.
+    """
+    _settle(task, _target(task), exc, args, kwargs)
+
+
+def _settle(
+    task: Any, target: _Target, exc: BaseException | None, args: Any, kwargs: Any
+) -> None:
+    """Publish (or write) the retry or the archive of a delivery whose subscriber
+    ended with ``exc`` (None: it has no subscriber here).
+
+    When that fails, RabbitMQ's TTL queues take it: ``Reject`` without requeue
+    dead-letters it into retry step 0 (counted through ``x-death``). Where the
+    database holds the retries (it is down, most likely), the event is published
+    again to its queue as it came (:func:`_requeue`), and ``Reject`` with requeue
+    is the last resort.
+    """
+    try:
+        if target.subscriber is None or exc is None:
+            event = event_of(task.request)
+            error = f"no subscriber to {event!r} in this service"
+            _archive(task, target, args, kwargs, _retries(task.request), error)
+        else:
+            _after_failure(task, target.subscriber, target, exc, args, kwargs)
+        return
+    except Exception as lost:
+        unwritten = lost
+    request = task.request
+    if target.topology.retries is Retries.BROKER:
+        logger.error(
+            "event %s (%s): its retry could not be published (%r); rejected into "
+            "retry step 0",
+            event_of(request),
+            request.id,
+            unwritten,
+        )
+        raise Reject(unwritten, requeue=False) from unwritten
+    try:
+        _requeue(task, target, args, kwargs)
+    except Exception as also:
+        logger.error(
+            "event %s (%s): its retry could not be written (%r) nor the event "
+            "published again (%r); requeued",
+            event_of(request),
+            request.id,
+            unwritten,
+            also,
+        )
+        raise Reject(unwritten, requeue=True) from unwritten
+    logger.error(
+        "event %s (%s): its retry could not be written (%r); published again to %s",
+        event_of(request),
+        request.id,
+        unwritten,
+        target.queue,
+    )
+
+
+def _requeue(task: Any, target: _Target, args: Any, kwargs: Any) -> None:
+    """Publish the running event again, as it came (same retries), to its own queue
+    by name: what a requeue means, on every broker. kombu's Redis transport would
+    restore a requeued copy by the events exchange's routing, which the worker's
+    channel does not know: the copy would be dropped."""
+    retries = int(task.request.retries or 0)
+    _republish(task, "", target.queue, args, kwargs, retries, None)
 
 
 def _after_failure(
     task: Any,
     subscriber: Subscriber,
-    topology: ServiceTopology,
-    queue: str,
-    exc: Exception,
+    target: _Target,
+    exc: BaseException,
     args: Any,
     kwargs: Any,
 ) -> None:
     request = task.request
     retries = _retries(request)
-    decision = decide(
-        retries, subscriber.steps(), isinstance(exc, subscriber.retry_for)
-    )
+    decision = decision_for(exc, retries, subscriber.steps(), subscriber.retry_for)
     if decision.fate is Fate.RETRY:
         logger.warning(
             "event %s (%s) failed in %s, retry %d in %.0f s: %r",
@@ -126,12 +238,12 @@ def _after_failure(
             2**decision.step,
             exc,
         )
-        if topology.retries is Retries.DATABASE:
+        if target.topology.retries is Retries.DATABASE:
             delay = retry_delay(decision.step)
-            held.hold_retry(task, queue, args, kwargs, retries + 1, delay)
+            held.hold_retry(task, target.queue, args, kwargs, retries + 1, delay)
             return
-        exchange = topology.retry_exchange(decision.step).name
-        _republish(task, exchange, queue, args, kwargs, retries + 1, None)
+        exchange = target.topology.retry_exchange(decision.step).name
+        _republish(task, exchange, target.queue, args, kwargs, retries + 1, None)
         return
     logger.error(
         "event %s (%s) failed in %s after %d retries, archived: %r",
@@ -141,23 +253,18 @@ def _after_failure(
         retries,
         exc,
     )
-    _archive(task, topology, queue, args, kwargs, retries, repr(exc))
+    _archive(task, target, args, kwargs, retries, repr(exc))
 
 
 def _archive(
-    task: Any,
-    topology: ServiceTopology,
-    queue: str,
-    args: Any,
-    kwargs: Any,
-    retries: int,
-    error: str,
+    task: Any, target: _Target, args: Any, kwargs: Any, retries: int, error: str
 ) -> None:
     """Keep the event for replay: in the archive queue, or the outbox's dead letters."""
-    if topology.retries is Retries.DATABASE:
-        held.archive(task, queue, args, kwargs, retries, error)
+    if target.topology.retries is Retries.DATABASE:
+        held.archive(task, target.queue, args, kwargs, retries, error)
     else:
-        _republish(task, topology.archive_name, queue, args, kwargs, retries, error)
+        name = target.topology.archive_name
+        _republish(task, name, target.queue, args, kwargs, retries, error)
 
 
 def event_of(request: Any) -> str | None:
@@ -191,13 +298,17 @@ def _republish(
     retries: int,
     error: str | None,
 ) -> None:
-    """Publish the event again, same id, through a confirming connection of this worker.
+    """Publish the event again, same id, through a confirming connection of this worker
+    (``exchange`` "": the default exchange, to the queue named ``routing_key`` only).
 
     Celery's own ``send_task`` builds the message: ``OutboxCelery.send_task`` would
     route it through the outbox, while this copy must reach the broker before the
     original message is acked.
     """
     request = task.request
+    route: dict[str, Any] = {"exchange": exchange, "routing_key": routing_key}
+    if not exchange:
+        route = {"queue": Queue(routing_key, Exchange(""), routing_key=routing_key)}
     headers: dict[str, Any] = {EVENT_HEADER: event_of(request)}
     if error is not None:
         headers[ERROR_HEADER] = storable(error, HEADER_ERROR_LIMIT)
@@ -211,8 +322,6 @@ def _republish(
         kwargs=kwargs,
         task_id=request.id,
         producer=_producer(task.app),
-        exchange=exchange,
-        routing_key=routing_key,
         retries=retries,
         headers=headers,
         root_id=request.root_id,
@@ -220,6 +329,7 @@ def _republish(
         declare=[],
         add_to_parent=False,
         ignore_result=True,
+        **route,
     )
 
 
@@ -227,11 +337,14 @@ _local = threading.local()
 
 
 def _producer(app: Any) -> Any:
-    """This thread's producer on a connection with publisher confirms."""
-    producer = getattr(_local, "producer", None)
+    """This thread's producer for ``app``'s broker, on a connection with publisher
+    confirms (one per broker: a process may hold services on several)."""
+    producers: dict[str, Any] = _local.__dict__.setdefault("producers", {})
+    broker = str(app.conf.broker_write_url or app.conf.broker_url or "")
+    producer = producers.get(broker)
     if producer is None or producer.connection.connected is False:
         options = dict(app.conf.broker_transport_options or {})
         options["confirm_publish"] = True
         connection = app.connection_for_write(transport_options=options)
-        producer = _local.producer = connection.Producer()
+        producer = producers[broker] = connection.Producer()
     return producer

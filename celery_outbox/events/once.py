@@ -5,7 +5,9 @@ runs the subscriber inside ``transaction.atomic()`` on the inbox alias, after an
 INSERT of (``<service>:<subscriber task name>``, event id) into the inbox table; both
 commit together. A second delivery of the event to that subscriber (a redelivery, a
 duplicate publish) finds the row and is acknowledged without running the body. A
-failing body rolls the row back with its own writes, so the retry runs it again.
+failing body rolls the row back with its own writes, so the retry runs it again; a
+body that ends with ``Ignore`` commits them, as the inbox of a task does
+(:func:`~celery_outbox.inbox.task.inbox_atomic`): its event is done.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError
 
 from ..conf import get_settings
-from ..inbox.task import MAX_KEY_LENGTH, inbox_alias
+from ..inbox.task import MAX_KEY_LENGTH, inbox_alias, inbox_atomic
 
 logger = logging.getLogger("celery_outbox.events")
 
@@ -51,7 +53,7 @@ def run_subscriber(
     alias = inbox_alias(get_settings())
     name = inbox_name(service, str(task.name))
     try:
-        with transaction.atomic(using=alias):
+        with inbox_atomic(alias):
             try:
                 InboxStore(alias).record(name, event_id)
             except IntegrityError:

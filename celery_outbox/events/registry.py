@@ -43,12 +43,24 @@ EVENT_HEADER = "outbox_event"
 
 #: The consumer defaults of the delivering task. Override any of them with Celery's
 #: own ``task_annotations = {"celery_outbox.events.deliver": {"acks_late": False}}``.
+#: A failed subscriber's event is settled by the task itself (retry or archive,
+#: then ack), and a hard time limit or a lost process by its request class
+#: (:class:`~.endings.DeliveryRequest`), whatever these say; they apply to what is
+#: left to Celery.
 CONSUMER_DEFAULTS: dict[str, Any] = {
     "acks_late": True,  # ack after the subscriber ran (or its retry was published)
-    "reject_on_worker_lost": True,  # a killed worker's message is redelivered
-    "acks_on_failure_or_timeout": False,  # rejected: dead-lettered into retry step 0
+    # A process lost while the worker shuts down cold: the message is redelivered.
+    "reject_on_worker_lost": True,
+    # A failure of the task itself (not of its subscriber): rejected, so RabbitMQ
+    # dead-letters it into retry step 0.
+    "acks_on_failure_or_timeout": False,
+    # Celery 5.7's own retry of a lost task would send a second copy: the request
+    # class retries it on the lane's schedule.
+    "retry_on_worker_lost": False,
     "ignore_result": True,  # several services subscribe to one event: no single result
 }
+#: The delivering task's request class: settles the endings the main process sees.
+REQUEST_CLASS = "celery_outbox.events.endings:DeliveryRequest"
 
 
 @dataclass(frozen=True)
@@ -226,6 +238,7 @@ class Registry:
             bind=True,
             inbox=False,
             shared=False,
+            Request=REQUEST_CLASS,
             **CONSUMER_DEFAULTS,
         )(deliver)
         self._deliver_registered = True

@@ -13,8 +13,10 @@ old name still works and warns.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
@@ -65,6 +67,25 @@ class _RetryAfterRollback(Exception):
 def inbox_alias(settings: OutboxSettings) -> str:
     """The alias of the inbox table: ``CELERY_OUTBOX_INBOX_DATABASE`` or the outbox's."""
     return settings.inbox_database or outbox_alias(settings)
+
+
+@contextlib.contextmanager
+def inbox_atomic(using: str) -> Iterator[None]:
+    """``transaction.atomic(using=...)`` around an inbox row and its body.
+
+    An exception rolls both back, except ``Ignore`` (``self.replace()`` raises it
+    too), which commits and then goes on: Celery acknowledges an ignored message and
+    never delivers it again, so what the body did (the replacement it sent, a result
+    it stored itself) must stay, and the row with it.
+    """
+    ignored: Ignore | None = None
+    with transaction.atomic(using=using):
+        try:
+            yield
+        except Ignore as ended:
+            ignored = ended
+    if ignored is not None:
+        raise ignored
 
 
 def uses_inbox(task_option: bool | None, task_name: str, every_task: bool) -> bool:
@@ -160,12 +181,8 @@ class InboxMixin(_Base):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """INSERT the inbox row, then run the body; both commit, or neither.
-
-        A body that ends with ``Ignore`` (``self.replace()`` raises it too) commits:
-        Celery acknowledges its message and never delivers it again, so what the
-        body did (the replacement it sent, a result it stored itself) must stay.
-        """
+        """INSERT the inbox row, then run the body; both commit, or neither
+        (:func:`inbox_atomic`: a body that ends with ``Ignore`` commits)."""
         # Imported here: this class is resolved before Django's models are loaded.
         from .store import InboxStore, deadlocked
 
@@ -175,7 +192,7 @@ class InboxMixin(_Base):
         own = not transaction.get_connection(alias).in_atomic_block
         token = _open_request.set(request)
         try:
-            with transaction.atomic(using=alias):
+            with inbox_atomic(alias):
                 try:
                     store.record(str(self.name), key)
                 except IntegrityError:
@@ -184,11 +201,7 @@ class InboxMixin(_Base):
                     if own and deadlocked(exc):
                         raise _Deadlocked from exc
                     raise
-                try:
-                    return self.run(*args, **kwargs)
-                except Ignore as ignored:
-                    ended = ignored
-            raise ended
+                return self.run(*args, **kwargs)
         finally:
             _open_request.reset(token)
 

@@ -242,7 +242,9 @@ class HeldServices:
     def app(self, service: str) -> OutboxCelery:
         app = OutboxCelery(f"{service}-{self.tag}", set_as_current=False)
         app.config_from_object("django.conf:settings", namespace="CELERY")
-        app.conf.update(broker_url=self.broker)
+        # The namespaced name: before Celery 5.7, CELERY_BROKER_URL from the
+        # settings wins over a plain broker_url.
+        app.conf.update(CELERY_BROKER_URL=self.broker)
         self.apps.append(app)
         self.services.append(app.main)
         return app
@@ -460,21 +462,19 @@ def test_the_archive_commands_work_on_the_dead_letters(
     assert "outbox: archived (dead letters)\t0" in stats
 
 
-def test_a_retry_that_cannot_be_written_is_requeued_not_dropped(
+def test_a_retry_that_cannot_be_written_is_requeued_by_name_not_dropped(
     held: HeldServices,
 ) -> None:
-    """Redis drops a message rejected without requeue (and RabbitMQ has no retry
-    queue to dead-letter it into here): the worker requeues it."""
-    from celery.exceptions import Reject
-
+    """Redis drops a message rejected without requeue, and one requeued when it came
+    through the events exchange (kombu restores it by a routing the worker's
+    channel does not know): the worker publishes it again to its queue, as it came."""
     app = held.app("billing")
     registry_of(app).add_subscriber("order.*", flaky(99, []))
-    held.declare(app)
+    topology = held.declare(app)
     with override_settings(CELERY_OUTBOX_DATABASE="no-such-alias"):
         result = deliver_once(app, str(uuid.uuid4()), 0)
-    assert result.state == "REJECTED"
-    assert isinstance(result.result, Reject)
-    assert getattr(result.result, "requeue", None) is True
+    assert result.state == "SUCCESS"  # acknowledged: its copy is in the queue
+    assert held.ids_in(topology.queue_name("order.*")) == [7]
 
 
 @pytest.mark.parametrize("everywhere", [False, True])
@@ -520,3 +520,92 @@ def test_another_service_handling_the_same_event_has_its_own_inbox_key(
         deliver_once(app, event_id, 0)
         deliver_once(app, event_id, 0)
     assert effects() == 2
+
+
+# -- How a subscriber ends its event: Ignore ends it, Reject(requeue=False) rejects
+# it (archived), Reject(requeue=True) asks for a retry.
+
+
+def ends_with(
+    ending: Callable[[], BaseException], calls: list[int]
+) -> Callable[..., None]:
+    """A subscriber that writes its effect, then raises ``ending()`` (made at each
+    call: one kept in the subscriber would keep its traceback's frames alive)."""
+
+    def on_order(order_id: int, *rest: object) -> None:
+        calls.append(order_id)
+        _record_effect(order_id)
+        raise ending()
+
+    return on_order
+
+
+@pytest.mark.parametrize("inbox", [True, False], ids=["inbox", "no-inbox"])
+def test_a_subscriber_that_ignores_its_event_ends_it_and_keeps_its_effect(
+    held: HeldServices, inbox: bool
+) -> None:
+    """``Ignore``: the subscriber chose to end without a result. Nothing is retried
+    or archived, and through the inbox its effect commits with the row, so another
+    delivery of the event is skipped."""
+    from celery.exceptions import Ignore
+
+    app = held.app("billing")
+    calls: list[int] = []
+    registry_of(app).add_subscriber("order.*", ends_with(Ignore, calls), inbox=inbox)
+    topology = held.declare(app)
+    event_id = str(uuid.uuid4())
+    assert deliver_once(app, event_id, 0).state == "IGNORED"
+    assert not OutboxMessage.objects.exists()  # no retry
+    assert dbarchive.count(topology) == 0
+    assert effects() == 1
+    deliver_once(app, event_id, 0)  # delivered again
+    assert len(calls) == (1 if inbox else 2)
+
+
+def test_a_subscriber_that_rejects_its_event_has_it_archived_at_once(
+    held: HeldServices,
+) -> None:
+    from celery.exceptions import Reject
+
+    app = held.app("billing")
+
+    def rejected() -> Reject:
+        return Reject("cannot read it", requeue=False)
+
+    registry_of(app).add_subscriber("order.*", ends_with(rejected, []), inbox=True)
+    topology = held.declare(app)
+    event_id = str(uuid.uuid4())
+    deliver_once(app, event_id, 0)  # retry steps left: not used
+    assert not OutboxMessage.objects.exists()
+    (archived,) = dbarchive.list_archive(topology)
+    assert (archived.id, archived.retries) == (event_id, 0)
+    assert archived.error == "reject requeue=False: cannot read it"
+    assert effects() == 0  # rolled back with the inbox row: a replay runs it again
+
+
+def test_a_subscriber_that_requeues_its_event_takes_the_next_step_then_the_archive(
+    held: HeldServices,
+) -> None:
+    """``Reject(requeue=True)``: retried on the lane's schedule whatever
+    ``retry_for`` says (never at once and for ever), archived after the last step."""
+    from celery.exceptions import Reject
+
+    app = held.app("billing")
+
+    def requeued() -> Reject:
+        return Reject("not now", requeue=True)
+
+    registry_of(app).add_subscriber(
+        "order.*", ends_with(requeued, []), retry_for=(KeyError,)
+    )
+    topology = held.declare(app)
+    event_id = str(uuid.uuid4())
+    deliver_once(app, event_id, 0)
+    (row,) = OutboxMessage.objects.all()
+    assert json.loads(row.headers)["retries"] == 1
+    row.delete()
+    deliver_once(app, event_id, 2)  # the last step used
+    assert not OutboxMessage.objects.exists()
+    (archived,) = dbarchive.list_archive(topology)
+    assert (archived.id, archived.retries) == (event_id, 2)
+    assert "not now" in archived.error

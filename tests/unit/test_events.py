@@ -6,10 +6,11 @@ import logging
 
 import pytest
 from celery import Celery
+from celery.exceptions import Reject, Retry, TimeLimitExceeded, WorkerLostError
 
 from celery_outbox import OutboxCelery
 from celery_outbox.conf import OutboxSettings
-from celery_outbox.events.delivery import Decision, Fate, decide
+from celery_outbox.events.delivery import Decision, Fate, decide, decision_for
 from celery_outbox.events.modes import Retries
 from celery_outbox.events.names import check_event_name, check_service, matches, overlap
 from celery_outbox.events.registry import registry_of
@@ -70,6 +71,36 @@ def test_retry_then_archive() -> None:
     assert decide(3, 3, retryable=True) == Decision(Fate.ARCHIVE)
     assert decide(0, 3, retryable=False) == Decision(Fate.ARCHIVE)
     assert decide(0, 0, retryable=True) == Decision(Fate.ARCHIVE)
+
+
+class NotRetried(Exception):
+    """A subscriber's exception outside its ``retry_for``."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "at_step_0", "after_the_last"),
+    [
+        (ValueError("a failure"), Decision(Fate.RETRY, 0), Decision(Fate.ARCHIVE)),
+        (NotRetried(), Decision(Fate.ARCHIVE), Decision(Fate.ARCHIVE)),
+        (TimeLimitExceeded(2), Decision(Fate.RETRY, 0), Decision(Fate.ARCHIVE)),
+        (WorkerLostError(), Decision(Fate.RETRY, 0), Decision(Fate.ARCHIVE)),
+        # Rejected: archived at once, retries left or not.
+        (Reject("bad", requeue=False), Decision(Fate.ARCHIVE), Decision(Fate.ARCHIVE)),
+        # A retry asked for: the next step whatever retry_for says, counted all the same.
+        (
+            Reject("later", requeue=True),
+            Decision(Fate.RETRY, 0),
+            Decision(Fate.ARCHIVE),
+        ),
+        (Retry(), Decision(Fate.RETRY, 0), Decision(Fate.ARCHIVE)),
+    ],
+)
+def test_how_a_subscriber_ended_decides_its_events_fate(
+    exc: BaseException, at_step_0: Decision, after_the_last: Decision
+) -> None:
+    retry_for = (ValueError, TimeLimitExceeded, WorkerLostError)
+    assert decision_for(exc, 0, 2, retry_for) == at_step_0
+    assert decision_for(exc, 2, 2, retry_for) == after_the_last
 
 
 def test_topology_retry_steps_archive_and_quorum() -> None:
