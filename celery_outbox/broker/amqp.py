@@ -35,7 +35,7 @@ from .base import (
     explain,
     is_outage,
 )
-from .failover import connect, node_lost, publish_again, time_left
+from .failover import connect, node_lost, publish_on_nodes
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -280,17 +280,14 @@ class AmqpPublisher:
         the batch, what did not go out is sent once more on the next node that
         answers (:func:`.failover.publish_again`).
         """
-        if not messages:
-            return []
-        self._node_lost = False
-        results = self._publish(messages, budget)
-        if self._node_lost and time_left(budget):
-            self._node_lost = False
-            results = publish_again(
-                messages, results, lambda rest: self._publish(rest, budget)
-            )
-            self._node_lost = False
-        return results
+        return publish_on_nodes(
+            messages, budget, lambda rest: self._publish(rest, budget), self._take_lost
+        )
+
+    def _take_lost(self) -> bool:
+        """Whether the node went away under the last batch; forgotten once asked."""
+        lost, self._node_lost = self._node_lost, False
+        return lost
 
     def _publish(
         self, messages: Sequence[StoredMessage], budget: Budget

@@ -113,6 +113,28 @@ def time_left(budget: Budget) -> bool:
     return budget.keep_going() and budget.deadline() > time.monotonic()
 
 
+def publish_on_nodes(
+    messages: Sequence[StoredMessage],
+    budget: Budget,
+    publish: Callable[[Sequence[StoredMessage]], list[PublishResult]],
+    node_lost: Callable[[], bool],
+) -> list[PublishResult]:
+    """``publish(messages)``; when the node went away under it and time is left,
+    what did not go out is sent once more on the next node (:func:`publish_again`).
+
+    ``node_lost()`` says whether the publisher's connection broke under its last
+    ``publish`` with other nodes to try, and forgets it.
+    """
+    if not messages:
+        return []
+    node_lost()  # an earlier batch's is no concern of this one
+    results = publish(messages)
+    if node_lost() and time_left(budget):
+        results = publish_again(messages, results, publish)
+        node_lost()
+    return results
+
+
 def publish_again(
     messages: Sequence[StoredMessage],
     results: Sequence[PublishResult],
