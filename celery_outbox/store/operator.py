@@ -315,7 +315,7 @@ class OperatorQueries(HistoryWriter):
             ):
                 cursor.execute(
                     f"SELECT id, task_name FROM {DEAD_TABLE} "
-                    f"WHERE id IN ({placeholders(ids)}){self._for_update()}",
+                    f"WHERE id IN ({placeholders(ids)}) ORDER BY id{self._for_update()}",
                     ids,
                 )
                 locked = cursor.fetchall()
@@ -394,8 +394,8 @@ class OperatorQueries(HistoryWriter):
                 self.connection.cursor() as cursor,
             ):
                 cursor.execute(
-                    f"SELECT id FROM {DEAD_TABLE} WHERE id IN ({placeholders(chunk)})"
-                    f"{self._for_update()}",
+                    f"SELECT id FROM {DEAD_TABLE} WHERE id IN ({placeholders(chunk)}) "
+                    f"ORDER BY id{self._for_update()}",
                     list(chunk),
                 )
                 held = [int(row[0]) for row in cursor.fetchall()]

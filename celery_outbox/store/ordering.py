@@ -243,7 +243,8 @@ class KeyedClaims(StoreBase):
             cursor.execute(
                 f"SELECT id, task_id FROM {MESSAGE_TABLE} WHERE ordering_key = %s "
                 f"AND task_name = %s AND id < %s AND state IS NULL AND (lease_token "
-                f"IS NULL OR lease_token = %s OR available_at <= {self.dialect.now()})",
+                f"IS NULL OR lease_token = %s OR available_at <= {self.dialect.now()}) "
+                f"ORDER BY id",
                 [key, task, newest[(key, task)], token],
             )
             found = [(int(i), str(t)) for i, t in cursor.fetchall()]
@@ -332,7 +333,8 @@ class OrderingQueries(StoreBase):
             self.connection.cursor() as cursor,
         ):
             cursor.execute(
-                f"SELECT id FROM {MESSAGE_TABLE} WHERE {where}{self._for_update()}",
+                f"SELECT id FROM {MESSAGE_TABLE} WHERE {where} ORDER BY id"
+                f"{self._for_update()}",
                 params,
             )
             ids = [int(row[0]) for row in cursor.fetchall()]
@@ -433,7 +435,7 @@ class OrderingQueries(StoreBase):
         ):
             cursor.execute(
                 f"SELECT id, last_error FROM {MESSAGE_TABLE} WHERE ordering_key = %s "
-                f"AND state = '{BLOCKED}'{self._for_update()}",
+                f"AND state = '{BLOCKED}' ORDER BY id{self._for_update()}",
                 [key],
             )
             found = cursor.fetchall()
