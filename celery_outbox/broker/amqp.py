@@ -35,7 +35,7 @@ from .base import (
     explain,
     is_outage,
 )
-from .failover import connect, node_lost, publish_on_nodes
+from .failover import OnNodes, connect, node_lost
 
 logger = logging.getLogger("celery_outbox.broker")
 
@@ -231,7 +231,7 @@ def _about_declaration(exc: amqp_errors.AMQPError) -> bool:
     return method.startswith(("Exchange.", "Queue."))
 
 
-class AmqpPublisher:
+class AmqpPublisher(OnNodes):
     """Publishes over py-amqp with batched publisher confirms."""
 
     def __init__(
@@ -271,27 +271,11 @@ class AmqpPublisher:
 
     # -- Publisher -------------------------------------------------------------
 
-    def publish(
-        self, messages: Sequence[StoredMessage], budget: Budget
-    ) -> list[PublishResult]:
-        """Publish a batch; see the module docstring for how failures are isolated.
-
-        When the node of a failover list the relay was connected to goes away under
-        the batch, what did not go out is sent once more on the next node that
-        answers (:func:`.failover.publish_again`).
-        """
-        return publish_on_nodes(
-            messages, budget, lambda rest: self._publish(rest, budget), self._take_lost
-        )
-
-    def _take_lost(self) -> bool:
-        """Whether the node went away under the last batch; forgotten once asked."""
-        lost, self._node_lost = self._node_lost, False
-        return lost
-
     def _publish(
         self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
+        """One batch on one connection; see the module docstring for how failures are
+        isolated."""
         try:
             results = self._publish_batch(messages, budget)
         except amqp_errors.ChannelError as exc:

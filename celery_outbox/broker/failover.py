@@ -167,3 +167,33 @@ def publish_again(
         else:
             merged.append(retried)
     return merged
+
+
+class OnNodes:
+    """A publisher's part that is the same on every transport: the batch published,
+    then, when the node of a failover list went away under it, what did not go out
+    sent once more on the next node that answers (:func:`publish_on_nodes`).
+
+    The publisher sets ``_node_lost`` when its connection breaks under a batch with
+    other nodes to try (:func:`node_lost`), and implements ``_publish``.
+    """
+
+    _node_lost = False
+
+    def publish(
+        self, messages: Sequence[StoredMessage], budget: Budget
+    ) -> list[PublishResult]:
+        """Publish a batch, on the next node too when its node went away under it."""
+        return publish_on_nodes(
+            messages, budget, lambda rest: self._publish(rest, budget), self._take_lost
+        )
+
+    def _take_lost(self) -> bool:
+        """Whether the node went away under the last batch; forgotten once asked."""
+        lost, self._node_lost = self._node_lost, False
+        return lost
+
+    def _publish(
+        self, messages: Sequence[StoredMessage], budget: Budget
+    ) -> list[PublishResult]:
+        raise NotImplementedError

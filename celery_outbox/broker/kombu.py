@@ -23,13 +23,13 @@ from .base import (
     explain,
     is_outage,
 )
-from .failover import connect, node_lost, publish_on_nodes
+from .failover import OnNodes, connect, node_lost
 from .topics import use_rabbit_topics
 
 logger = logging.getLogger("celery_outbox.broker")
 
 
-class KombuPublisher:
+class KombuPublisher(OnNodes):
     """Publishes through a kombu ``Producer`` on one long-lived connection."""
 
     def __init__(
@@ -48,27 +48,10 @@ class KombuPublisher:
         #: The connection broke under a batch, and other nodes may answer.
         self._node_lost = False
 
-    def publish(
-        self, messages: Sequence[StoredMessage], budget: Budget
-    ) -> list[PublishResult]:
-        """Publish a batch in one transport batch when possible, else message by message.
-
-        When the node of a failover list the relay was connected to goes away under
-        the batch, what did not go out is sent once more on the next node that
-        answers (:func:`.failover.publish_again`).
-        """
-        return publish_on_nodes(
-            messages, budget, lambda rest: self._publish(rest, budget), self._take_lost
-        )
-
-    def _take_lost(self) -> bool:
-        """Whether the node went away under the last batch; forgotten once asked."""
-        lost, self._node_lost = self._node_lost, False
-        return lost
-
     def _publish(
         self, messages: Sequence[StoredMessage], budget: Budget
     ) -> list[PublishResult]:
+        """One batch in one transport batch when possible, else message by message."""
         try:
             results = self._publish_batch(
                 self._open(budget.keep_going), messages, budget
