@@ -165,13 +165,20 @@ class KombuPublisher(OnNodes):
     def _send(self, producer: Any, message: StoredMessage) -> None:
         envelope = message.envelope
         self._declare(producer, envelope)
+        self._produce(producer, message, envelope.exchange, envelope.routing_key)
+
+    def _produce(
+        self, producer: Any, message: StoredMessage, exchange: str, routing_key: str
+    ) -> None:
+        """``producer.publish`` of the stored message, to ``exchange`` and ``routing_key``."""
+        envelope = message.envelope
         properties = envelope_properties(message)
         # Stored in AMQP form (milliseconds, a string); kombu takes seconds.
         expiration_ms = properties.pop("expiration", None)
         producer.publish(
             envelope.body,
-            exchange=envelope.exchange,
-            routing_key=envelope.routing_key,
+            exchange=exchange,
+            routing_key=routing_key,
             content_type=envelope.content_type,
             content_encoding=envelope.content_encoding,
             headers=as_dict(envelope.headers),

@@ -82,6 +82,21 @@ class RedisPublisher(KombuPublisher):
             return super()._publish_batch(producer, messages, budget)
         return self._pipelined(producer, channel, messages, budget)
 
+    def _send(self, producer: Any, message: StoredMessage) -> None:
+        """kombu's ``Producer`` path: a copy per list, by name, where the direct path
+        names each copy's list (:func:`_delivery_infos`); else as kombu routes it."""
+        envelope = message.envelope
+        self._declare(producer, envelope)
+        channel = producer.channel
+        exchange = envelope.exchange
+        if exchange and channel.typeof(exchange).type in ("direct", "topic"):
+            queues = sorted(channel._lookup(exchange, envelope.routing_key))
+            if queues and names_its_list(channel, exchange, queues):
+                for queue in queues:
+                    self._produce(producer, message, "", queue)
+                return
+        self._produce(producer, message, exchange, envelope.routing_key)
+
     def _direct_path(self, channel: Any) -> bool:
         """Whether batches on ``channel`` take the direct path; checks it the first time."""
         if not (self.direct and direct_path_available(channel)):
@@ -106,7 +121,8 @@ class RedisPublisher(KombuPublisher):
         budget: Budget,
     ) -> list[PublishResult]:
         routes: dict[tuple[str, str], list[str] | None] = {}
-        infos: dict[tuple[str, str], str] = {}
+        #: Per route, the delivery info of the copy each list gets (by queue).
+        infos: dict[tuple[str, str], dict[str, str]] = {}
         tags = _delivery_tags(len(messages))
         pushes = _Pushes(self.PUSH_BYTES)
         sent: list[tuple[StoredMessage, list[int]]] = []  # with its pushes
@@ -122,7 +138,7 @@ class RedisPublisher(KombuPublisher):
                 key = (envelope.exchange, envelope.routing_key)
                 if key not in routes:
                     routes[key] = _route(channel, *key)
-                    infos[key] = json.dumps({"exchange": key[0], "routing_key": key[1]})
+                    infos[key] = _delivery_infos(channel, *key, routes[key] or [])
                 queues = routes[key]
                 if queues is None:
                     by_kombu.append(message)
@@ -131,16 +147,14 @@ class RedisPublisher(KombuPublisher):
                     # kombu would drop it without a word: nothing was published.
                     unrouted.append(message)
                     continue
-                payload, priority = _payload(message, next(tags), infos[key])
-                sent.append(
-                    (
-                        message,
-                        [
-                            pushes.add(channel._q_for_pri(queue, priority), payload)
-                            for queue in queues
-                        ],
+                tag = next(tags)
+                used = []
+                for queue in queues:
+                    payload, priority = _payload(message, tag, infos[key][queue])
+                    used.append(
+                        pushes.add(channel._q_for_pri(queue, priority), payload)
                     )
-                )
+                sent.append((message, used))
             # Every push runs even when one is refused (a key of another type): the
             # refusals come back as values, so only the messages of that push fail,
             # and the rest, already in their lists, are not sent again. Lost
@@ -340,6 +354,39 @@ def _route(channel: Any, exchange: str, routing_key: str) -> list[str] | None:
     if any(queue in channel._expires for queue in queues):
         return None  # queues with x-expires also get PEXPIRE commands
     return queues
+
+
+def _delivery_infos(
+    channel: Any, exchange: str, routing_key: str, queues: Sequence[str]
+) -> dict[str, str]:
+    """The delivery info each list's copy carries, by queue (JSON).
+
+    kombu's Redis transport puts a copy a worker took and did not acknowledge back by
+    routing its delivery info again (``restore_visible``, ``restore_unacked``: a
+    worker killed, a visibility timeout passed). Through an exchange the restoring
+    channel has not declared (the events exchange, a worker's channel never does),
+    that routing finds no list and the copy is dropped; through an exchange that
+    routes to several lists, every list gets the copy again. So a copy that is one
+    of several, or routed by a topic, names its own list (the default exchange, the
+    queue as routing key), as a message published to that queue by name would: it
+    is put back where it was, and only there. A direct route to one list keeps the
+    exchange and routing key, as kombu writes them.
+    """
+    if not names_its_list(channel, exchange, queues):
+        kept = json.dumps({"exchange": exchange, "routing_key": routing_key})
+        return dict.fromkeys(queues, kept)
+    return {
+        queue: json.dumps({"exchange": "", "routing_key": queue}) for queue in queues
+    }
+
+
+def names_its_list(channel: Any, exchange: str, queues: Sequence[str]) -> bool:
+    """Whether each copy of a publish to ``exchange`` that lands in ``queues`` must
+    name its own list (see :func:`_delivery_infos`): all but the default exchange
+    and a direct route to one list."""
+    return bool(exchange) and not (
+        len(queues) == 1 and channel.typeof(exchange).type == "direct"
+    )
 
 
 def _payload(

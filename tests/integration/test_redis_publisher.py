@@ -12,6 +12,8 @@ import dataclasses
 import importlib.metadata
 import json
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -219,6 +221,72 @@ def test_a_named_exchange_routes_through_its_bindings(names: Names) -> None:
     reference, ours = publish_both(names, messages, lambda n: queue)
     assert list(reference) == [names.queue]
     assert ours == reference
+
+
+RESTORE_IN_A_PROCESS = """
+import sys
+from kombu import Connection
+
+url, queue = sys.argv[1:3]
+with Connection(url) as conn:
+    channel = conn.channel()
+    message = channel.basic_get(queue, no_ack=False)
+    assert message is not None, "no copy to take"
+    channel.close()  # not acknowledged: kombu puts it back (restore_unacked)
+"""
+
+
+class ThroughKombu(RedisPublisher):
+    """The publisher as it runs on a kombu without the direct path's API (< 5.7)."""
+
+    direct = False
+
+
+@pytest.mark.parametrize("kind", [RedisPublisher, ThroughKombu])
+def test_a_copy_a_worker_did_not_acknowledge_goes_back_to_its_own_list_only(
+    names: Names, kind: type[RedisPublisher]
+) -> None:
+    """An event to two services' queues by a topic. A worker of one service takes
+    its copy and goes away without acknowledging it (killed, or a visibility
+    timeout passed): kombu puts the copy back by routing its delivery info again, in
+    a process whose channel never declared the events exchange (a worker's does
+    not). It must land in that service's list again, and only there."""
+    exchange = Exchange(names.exchange, type="topic")
+    billing = Queue(f"{names.queue}-billing", exchange, routing_key="order.*")
+    shipping = Queue(f"{names.queue}-shipping", exchange, routing_key="order.created")
+    queues = {queue.name: queue for queue in (billing, shipping)}
+    messages = stored(
+        envelope(
+            "order-created",
+            exchange=names.exchange,
+            routing_key="order.created",
+            declare=tuple(queues),
+        )
+    )
+    publisher = kind(lambda: Connection(BROKER_REDIS), queues.__getitem__)
+    try:
+        results = publisher.publish(messages, FixedBudget(time.monotonic() + 10))
+    finally:
+        publisher.close()
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED]
+    client = redis.Redis.from_url(BROKER_REDIS)
+    assert (client.llen(billing.name), client.llen(shipping.name)) == (1, 1)
+
+    subprocess.run(
+        [sys.executable, "-c", RESTORE_IN_A_PROCESS, BROKER_REDIS, billing.name],
+        check=True,
+        timeout=60,
+    )
+
+    assert (client.llen(billing.name), client.llen(shipping.name)) == (1, 1)
+    (back,) = client.lrange(billing.name, 0, -1)
+    document = json.loads(back)
+    assert document["headers"]["id"] == messages[0].envelope.task_id
+    assert document["properties"]["delivery_info"] == {
+        "exchange": "",
+        "routing_key": billing.name,
+        "redelivered": True,  # kombu's mark on a copy it put back
+    }
 
 
 def test_a_global_key_prefix_is_kept(names: Names) -> None:
