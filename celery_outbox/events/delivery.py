@@ -210,9 +210,10 @@ def _settle(
 
 def _requeue(task: Any, target: _Target, args: Any, kwargs: Any) -> None:
     """Publish the running event again, as it came (same retries), to its own queue
-    by name: what a requeue means, on every broker. kombu's Redis transport would
-    restore a requeued copy by the events exchange's routing, which the worker's
-    channel does not know: the copy would be dropped."""
+    by name: what a requeue means, on every broker. kombu's Redis transport puts a
+    requeued copy back by the routing its delivery info names: for a copy written
+    before 0.2, the events exchange's, which sends it to every service's queue, or,
+    through a channel that never declared the exchange, drops it."""
     retries = int(task.request.retries or 0)
     _republish(task, "", target.queue, args, kwargs, retries, None)
 
