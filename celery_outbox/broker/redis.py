@@ -4,6 +4,8 @@ Each list the batch reaches gets one ``LPUSH`` with all its messages, in order (
 new one past a megabyte). Each message is the JSON document kombu's Redis transport
 writes for a publish (base64 body, headers, properties with the delivery info and a
 fresh delivery tag), so workers cannot tell it from a message Celery sent itself.
+Each copy of a message that reaches several lists has a delivery tag of its own
+(:func:`_delivery_tags`), where kombu gives all the copies of one publish the same.
 What depends on the broker's state -- which lists an exchange routes a key to, the
 list of each priority, the key prefix -- is asked of kombu's Redis channel, once per
 exchange and routing key in a batch. The stored headers go out as their stored text,
@@ -123,6 +125,7 @@ class RedisPublisher(KombuPublisher):
         routes: dict[tuple[str, str], list[str] | None] = {}
         #: Per route, the delivery info of the copy each list gets (by queue).
         infos: dict[tuple[str, str], dict[str, str]] = {}
+        # One tag per copy: drawn for one copy per message, more when needed.
         tags = _delivery_tags(len(messages))
         pushes = _Pushes(self.PUSH_BYTES)
         sent: list[tuple[StoredMessage, list[int]]] = []  # with its pushes
@@ -147,10 +150,10 @@ class RedisPublisher(KombuPublisher):
                     # kombu would drop it without a word: nothing was published.
                     unrouted.append(message)
                     continue
-                tag = next(tags)
                 used = []
                 for queue in queues:
-                    payload, priority = _payload(message, tag, infos[key][queue])
+                    info = infos[key][queue]
+                    payload, priority = _payload(message, next(tags), info)
                     used.append(
                         pushes.add(channel._q_for_pri(queue, priority), payload)
                     )
@@ -452,11 +455,23 @@ def _plain_int(value: Any) -> bool:
 
 
 def _delivery_tags(count: int) -> Iterator[str]:
-    """``count`` random version-4 UUIDs as text, from one call to the system's RNG."""
-    data = os.urandom(16 * count)
-    for start in range(0, 16 * count, 16):
-        raw = bytearray(data[start : start + 16])
-        raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
-        raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
-        text = raw.hex()
-        yield f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+    """Random version-4 UUIDs as text, without end: ``count`` from each call to the
+    system's RNG.
+
+    Every copy takes its own. kombu's Redis transport keeps a message a worker took
+    and has not acknowledged in its ``unacked`` hash by delivery tag, and an ack
+    deletes that tag's entry: copies in several lists that shared one tag (what
+    kombu's own publish to a topic or direct exchange gives them) shared one entry,
+    so the first service to acknowledge its copy deleted the entry of every other.
+    A worker of another service killed while it ran its copy then left nothing to
+    put back: the copy was lost, never delivered again.
+    """
+    count = max(count, 1)
+    while True:
+        data = os.urandom(16 * count)
+        for start in range(0, 16 * count, 16):
+            raw = bytearray(data[start : start + 16])
+            raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+            raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+            text = raw.hex()
+            yield f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"

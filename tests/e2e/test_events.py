@@ -283,6 +283,46 @@ def test_a_worker_killed_mid_subscriber_gets_the_event_again(
     assert [row["payload"] for row in events.records("shipping", "done")] == [42]
 
 
+#: kombu's visibility timeout in the Redis kill test (a sweep for older unacknowledged
+#: copies every second): shorter than the slow subscriber's 30 s.
+VISIBILITY = "3"
+
+
+@pytest.mark.parametrize("broker", [BROKER_REDIS], ids=["redis"])
+def test_a_worker_killed_mid_subscriber_on_redis_gets_its_copy_back_after_the_visibility_timeout(
+    events: Events, order_created: Any
+) -> None:
+    """Two services on Redis; shipping's worker is killed as a whole (its main
+    process too) while its subscriber runs, after billing acknowledged its own copy.
+    kombu puts shipping's copy back into shipping's list once it is older than the
+    visibility timeout (whichever consumer of the broker's database sweeps first), and
+    a new shipping worker runs it. Billing's acknowledgement must not take shipping's
+    unacknowledged copy with it: each copy has its own delivery tag."""
+    env = {"OUTBOX_TEST_VISIBILITY_TIMEOUT": VISIBILITY}
+    events.set_flag("shipping", "slow", True)
+    events.start_service("billing", env=env)
+    shipping = events.start_service("shipping", env=env)
+    events.stack.start_relay()
+    fire(order_created, range(42, 43))
+    wait_until(lambda: len(events.records("shipping", "start")) == 1, 60, "the start")
+    wait_until(lambda: len(events.records("billing", "done")) == 1, 30, "billing")
+    # Before the visibility timeout: a live worker's own sweep would put it back.
+    os.killpg(shipping.pid, signal.SIGKILL)
+    shipping.popen.wait(15)
+    shipping.long_running = False
+    events.set_flag("shipping", "slow", False)
+    events.start_service("shipping", env=env)
+    wait_until(
+        lambda: len(events.records("shipping", "done")) == 1, 20, "shipping's copy back",
+        lambda: str(events.records("shipping", "start")),
+    )  # fmt: skip
+    time.sleep(float(VISIBILITY) + 1)  # a second copy put back would have run by now
+    assert [row["payload"] for row in events.records("shipping", "done")] == [42]
+    for phase in ("start", "done"):
+        assert [row["payload"] for row in events.records("billing", phase)] == [42]
+    events.stack.assert_alive()
+
+
 @BOTH_BROKERS
 def test_a_subscriber_with_the_inbox_has_one_effect_per_event(
     events: Events, order_created: Any

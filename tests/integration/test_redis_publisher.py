@@ -289,6 +289,74 @@ def test_a_copy_a_worker_did_not_acknowledge_goes_back_to_its_own_list_only(
     }
 
 
+HOLD_ONE_ACKNOWLEDGE_THE_OTHER = """
+import sys
+from kombu import Connection
+
+url, held, acknowledged = sys.argv[1:4]
+with Connection(url) as running, Connection(url) as done:
+    channel = running.channel()
+    assert channel.basic_get(held, no_ack=False) is not None, "no copy to hold"
+    other = done.channel()
+    message = other.basic_get(acknowledged, no_ack=False)
+    assert message is not None, "no copy to acknowledge"
+    other.basic_ack(message.delivery_tag)
+    other.close()
+    channel.close()  # not acknowledged: kombu puts it back (restore_unacked)
+"""
+
+
+@pytest.mark.parametrize("kind", [RedisPublisher, ThroughKombu])
+def test_a_copy_acknowledged_in_one_list_leaves_the_other_lists_copies_unacknowledged(
+    names: Names, kind: type[RedisPublisher]
+) -> None:
+    """An event to two services' queues. Shipping's worker holds its copy; billing's
+    takes its own and acknowledges it; then shipping's goes away without
+    acknowledging (killed). kombu keeps a taken copy in its ``unacked`` hash by
+    delivery tag and an ack deletes that tag's entry: copies that shared one tag
+    shared one entry, and billing's ack deleted shipping's, whose copy was lost.
+    Each copy has a tag of its own: shipping's goes back to its list."""
+    exchange = Exchange(names.exchange, type="topic")
+    billing = Queue(f"{names.queue}-billing", exchange, routing_key="order.*")
+    shipping = Queue(f"{names.queue}-shipping", exchange, routing_key="order.created")
+    queues = {queue.name: queue for queue in (billing, shipping)}
+    messages = stored(
+        envelope(
+            "order-created",
+            exchange=names.exchange,
+            routing_key="order.created",
+            declare=tuple(queues),
+        )
+    )
+    publisher = kind(lambda: Connection(BROKER_REDIS), queues.__getitem__)
+    try:
+        results = publisher.publish(messages, FixedBudget(time.monotonic() + 10))
+    finally:
+        publisher.close()
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED]
+    client = redis.Redis.from_url(BROKER_REDIS)
+    tags = {
+        json.loads(raw)["properties"]["delivery_tag"]
+        for queue in queues
+        for raw in client.lrange(queue, 0, -1)
+    }
+    assert len(tags) == 2  # one per copy
+
+    subprocess.run(
+        [
+            sys.executable, "-c", HOLD_ONE_ACKNOWLEDGE_THE_OTHER, BROKER_REDIS,
+            shipping.name, billing.name,
+        ],
+        check=True,
+        timeout=60,
+    )  # fmt: skip
+
+    assert (client.llen(billing.name), client.llen(shipping.name)) == (0, 1)
+    (back,) = client.lrange(shipping.name, 0, -1)
+    assert json.loads(back)["headers"]["id"] == messages[0].envelope.task_id
+    assert not [tag for tag in tags if client.hexists("unacked", tag)]
+
+
 def test_a_global_key_prefix_is_kept(names: Names) -> None:
     queue = names.queue
     messages = stored(envelope("prefixed", routing_key=queue, declare=(queue,)))
