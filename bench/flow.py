@@ -1,4 +1,4 @@
-"""Part 13 of ``make bench``: flow control's rate with two relays, beside stock Celery.
+"""Part 15 of ``make bench``: flow control's rate with two relays, beside stock Celery.
 
 Two relays (``python -m django outbox relay``) and two prefork workers of
 concurrency 2 run on the bench's PostgreSQL database and the run's RabbitMQ queue
@@ -16,7 +16,7 @@ one-second window (the flow must hold 20), the rate from the first start to the
 last, and the seconds that took. Every task must run exactly once.
 
 The drain of tasks with no flow is part 2 (``--only drain``), run on this branch and
-on the code before it (docs/benchmarks.md, part 13).
+on the code before it (docs/benchmarks.md, part 15).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     lines = [
-        f"13. flow control: {result['tasks']} tasks committed at once, {RELAYS} relays, "
+        f"15. flow control: {result['tasks']} tasks committed at once, {RELAYS} relays, "
         f"{WORKERS} prefork workers x {CONCURRENCY}, RabbitMQ, {result['server']}; "
         f"the flow 'bench' of {RATE}/s against stock Celery's rate_limit="
         f"'{RATE}/s' (per worker)"
