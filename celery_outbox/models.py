@@ -195,6 +195,9 @@ class FlowState(models.Model):
     name = models.CharField(primary_key=True, max_length=255)
     rates = models.CharField(max_length=255, null=True, blank=True)
     changed_at = models.DateTimeField(null=True, blank=True)
+    #: When the rows held back so far have all had their slot at the rate: rows held
+    #: next are given slots after it (database clock).
+    paced_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "celery_outbox_flow"

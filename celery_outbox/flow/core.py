@@ -207,14 +207,26 @@ class Grant:
     pace: float = 0.0
     #: The rates the grant was decided under (an operator's, or the settings').
     rates: tuple[Rate, ...] = ()
+    #: How many of the wanted publishes have to wait.
+    held: int = 0
+
+    @property
+    def paced_for(self) -> float:
+        """Seconds from now until the slots of the held publishes are all taken:
+        the next held publish of the flow waits at least that long."""
+        return self.wait + self.held * self.pace
 
 
-def grant(uses: Sequence[Use], wanted: int) -> Grant:
+def grant(uses: Sequence[Use], wanted: int, paced_for: float = 0.0) -> Grant:
     """How many of ``wanted`` publishes the rates' windows take now, and the wait.
 
     Each window takes ``count - used`` more; the grant is the smallest room. A rate
     whose window is then full stops the rest until its oldest record leaves the
     window (a record of this grant is the oldest when the window held none).
+    ``paced_for`` is how long the slots given to rows held before last (the previous
+    grant's :attr:`Grant.paced_for`, counted down): the rest waits behind them, so
+    that a backlog held in many batches comes back at the rate, once, instead of
+    every batch's rows due in the same few seconds.
     """
     rates = tuple(use.rate for use in uses)
     room = min((max(0, u.rate.count - u.used) for u in uses), default=wanted)
@@ -222,8 +234,9 @@ def grant(uses: Sequence[Use], wanted: int) -> Grant:
     if granted == wanted:
         return Grant(granted, rates=rates)
     full = [u for u in uses if u.rate.count - u.used - granted <= 0]
-    wait = max(_frees_in(u) for u in full)
-    return Grant(granted, wait, max(u.rate.pace for u in full), rates=rates)
+    wait = max(max(_frees_in(u) for u in full), paced_for)
+    pace = max(u.rate.pace for u in full)
+    return Grant(granted, wait, pace, rates, wanted - granted)
 
 
 def _frees_in(use: Use) -> float:

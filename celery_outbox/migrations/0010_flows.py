@@ -24,6 +24,7 @@ class Migration(migrations.Migration):
                 ),
                 ("rates", models.CharField(blank=True, max_length=255, null=True)),
                 ("changed_at", models.DateTimeField(blank=True, null=True)),
+                ("paced_until", models.DateTimeField(blank=True, null=True)),
             ],
             options={
                 "verbose_name": "flow",

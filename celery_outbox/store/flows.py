@@ -44,10 +44,16 @@ class FlowQueries(StoreBase):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            changed = self._lock(cursor, flow.name)
+            changed, paced_for = self._lock(cursor, flow.name)
             rates = rates_in_force(flow, changed)
             uses = self._uses(cursor, flow.name, rates)
-            granted = grant(uses, wanted)
+            granted = grant(uses, wanted, paced_for)
+            if granted.held:
+                paced_sql, paced_params = dialect.after(granted.paced_for, clock=True)
+                cursor.execute(
+                    f"UPDATE {FLOW_TABLE} SET paced_until = {paced_sql} WHERE name = %s",
+                    [*paced_params, flow.name],
+                )
             if granted.granted:
                 cursor.execute(
                     f"INSERT INTO {FLOW_RECORD_TABLE} (flow, at, tasks) "
@@ -72,6 +78,7 @@ class FlowQueries(StoreBase):
             self.connection.cursor() as cursor,
         ):
             self._lock(cursor, name)
+            # The rows held so far keep their slots; the next ones pace at the new rate.
             cursor.execute(
                 f"UPDATE {FLOW_TABLE} SET rates = %s, changed_at = "
                 f"{self.dialect.now()} WHERE name = %s",
@@ -99,8 +106,9 @@ class FlowQueries(StoreBase):
             by_task = [(str(name), int(count)) for name, count in cursor.fetchall()]
         return flow_stats(flows, changed, recent, by_task)
 
-    def _lock(self, cursor: Any, name: str) -> str | None:
-        """Lock the flow's row (made if missing); the operator's rates it holds.
+    def _lock(self, cursor: Any, name: str) -> tuple[str | None, float]:
+        """Lock the flow's row (made if missing); the operator's rates it holds, and
+        the seconds until the slots of the rows held so far are taken.
 
         An UPDATE locks on every vendor: the row on PostgreSQL and MySQL, the
         database's one writer on SQLite (where a SELECT ... FOR UPDATE does not
@@ -110,10 +118,14 @@ class FlowQueries(StoreBase):
             cursor.execute(
                 f"UPDATE {FLOW_TABLE} SET name = name WHERE name = %s", [name]
             )
-            cursor.execute(f"SELECT rates FROM {FLOW_TABLE} WHERE name = %s", [name])
+            age = self.dialect.age_seconds("paced_until", clock=True)
+            cursor.execute(
+                f"SELECT rates, {age} FROM {FLOW_TABLE} WHERE name = %s", [name]
+            )
             row = cursor.fetchone()
             if row is not None:
-                return None if row[0] is None else str(row[0])
+                rates = None if row[0] is None else str(row[0])
+                return rates, 0.0 if row[1] is None else -float(row[1])
             cursor.execute(
                 self.dialect.insert_missing(FLOW_TABLE, "name", ("name", "rates")),
                 [name, None],

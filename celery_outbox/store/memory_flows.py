@@ -46,6 +46,8 @@ class InMemoryFlows:
         self.changed: dict[str, str | None] = {}
         #: ``(time, publishes)`` records by flow name, oldest first.
         self.records: dict[str, list[tuple[float, int]]] = {}
+        #: When the slots of the rows held so far are taken, by flow name.
+        self.paced_until: dict[str, float] = {}
 
     def reserve(self, flow: Flow, wanted: int) -> Grant:
         """Grant up to ``wanted`` publishes of ``flow`` now, and record them."""
@@ -53,7 +55,11 @@ class InMemoryFlows:
             now = self.clock()
             rates = rates_in_force(flow, self.changed.get(flow.name))
             records = self.records.setdefault(flow.name, [])
-            granted = grant([use_of(records, rate, now) for rate in rates], wanted)
+            uses = [use_of(records, rate, now) for rate in rates]
+            paced_for = self.paced_until.get(flow.name, now) - now
+            granted = grant(uses, wanted, paced_for)
+            if granted.held:
+                self.paced_until[flow.name] = now + granted.paced_for
             if granted.granted:
                 records.append((now, granted.granted))
             longest = max(r.seconds for r in (*rates, *flow.rates))

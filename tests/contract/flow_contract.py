@@ -82,6 +82,19 @@ class FlowContract:
         assert found.pace == pytest.approx(60 / 7)
         assert 58.0 < found.wait <= 60.0
 
+    def test_rows_held_in_a_later_batch_wait_behind_those_held_before(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = flow("partner", "5/s")
+        first = flows.flows.reserve(partner, 10)
+        # 5 held: slots from 1 s from now, one every 0.2 s, up to 2 s from now.
+        assert (first.granted, first.held) == (5, 5)
+        assert 1.5 < first.paced_for <= 2.0
+        later = flows.flows.reserve(partner, 3)
+        assert (later.granted, later.held) == (0, 3)
+        assert 1.5 < later.wait <= 2.0
+        assert later.paced_for == pytest.approx(later.wait + 0.6)
+
     def test_flows_do_not_share_a_window(self, flows: FlowHarness) -> None:
         assert flows.flows.reserve(flow("partner", "2/s"), 5).granted == 2
         assert flows.flows.reserve(flow("mailer", "3/s"), 5).granted == 3

@@ -125,6 +125,17 @@ def test_the_grant_is_the_smallest_room_and_the_wait_the_fullest_window() -> Non
     assert grant([Use(second, 0)], 12).wait == 1.0
 
 
+def test_rows_held_before_keep_their_slots_and_the_next_wait_behind_them() -> None:
+    second = Rate(10, 1.0)
+    first = grant([Use(second, 0)], 15)
+    # 5 held: the first when the window frees (1 s), one every 0.1 s.
+    assert (first.held, first.paced_for) == (5, pytest.approx(1.5))
+    # A second batch, 0.2 s later: its rows wait behind those 5 slots.
+    later = grant([Use(second, 10, 0.2)], 4, first.paced_for - 0.2)
+    assert (later.granted, later.wait, later.held) == (0, pytest.approx(1.3), 4)
+    assert later.paced_for == pytest.approx(1.7)
+
+
 def message(row_id: int, built: Envelope) -> StoredMessage:
     return StoredMessage(row_id, 0, built)
 
@@ -227,6 +238,7 @@ class RelayWorld:
         self.flows = InMemoryFlows(tables=self.tables)
         self.publisher = InMemoryPublisher()
         self.sent: list[tuple[float, str]] = []
+        self.released = 0
         config = RelayConfig(
             batch_size=batch_size,
             lease_seconds=30.0,
@@ -249,6 +261,7 @@ class RelayWorld:
 
     def observe(self, event: RelayObservation) -> None:
         if isinstance(event, BatchSettled):
+            self.released += len(event.settlement.release)
             self.sent.extend(
                 (self.clock(), m.envelope.task_name)
                 for m, r in zip(
@@ -288,6 +301,19 @@ def test_the_relay_holds_a_flow_to_its_rate_in_every_window_and_uses_it() -> Non
     assert max(free) - start < 0.1
     # Held rows came back without an attempt used, none of them dead.
     assert world.tables.dead == {}
+
+
+def test_a_backlog_held_over_many_batches_comes_back_once_at_the_rate() -> None:
+    world = RelayWorld(["20/s"], batch_size=10)
+    world.store.add(envelope(str(i), task_name="shop.call_partner") for i in range(100))
+    start = world.clock()
+    world.drain()
+    times = [t for t, _ in world.sent]
+    assert len(times) == 100 and most_in_any_window(times, 1.0) <= 20
+    assert 4.0 <= max(times) - start <= 5.5
+    # 80 rows wait for a later window: each is held once, given its slot behind the
+    # batches held before it, not sent back every second with everyone else.
+    assert world.released <= 85
 
 
 def test_held_rows_use_no_attempt_and_say_which_flow_holds_them() -> None:
