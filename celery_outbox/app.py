@@ -94,9 +94,10 @@ class OutboxCelery(Celery):
                     # Celery needs only the broker: a worker's retry must not be
                     # lost (Task.retry rejects the message when the send fails).
                     logger.warning(
-                        "the outbox database failed (%s: %s): task %s [%s], due "
-                        "later, goes to the broker at once, as Celery sends it, "
-                        "and waits in a worker until its ETA",
+                        "the outbox database failed (%s: %s): task %s [%s] goes to "
+                        "the broker at once, as Celery sends it (a task due later "
+                        "waits in a worker until its ETA; a flow's task is not "
+                        "counted by its flow)",
                         type(exc).__name__,
                         exc,
                         name,
