@@ -87,6 +87,7 @@ PLACES = {
     "celery_outbox.management": "top",
     "celery_outbox.operations": "top",
     "celery_outbox.ordering.admin": "top",
+    "celery_outbox.flow.admin": "top",
     "celery_outbox.pytest_plugin": "top",
     "celery_outbox.revoke": "top",
     "celery_outbox.relay.runner": "top",
