@@ -112,11 +112,6 @@ class Flow:
         """Whether ``task_name`` is one of the flow's tasks."""
         return any(fnmatchcase(task_name, pattern) for pattern in self.tasks)
 
-    @property
-    def longest(self) -> float:
-        """The longest window of the flow's rates, in seconds."""
-        return max(rate.seconds for rate in self.rates)
-
 
 def parse_flows(value: Any) -> tuple[Flow, ...]:
     """``CELERY_OUTBOX_FLOWS`` as flows, in the order written.
@@ -223,10 +218,10 @@ def grant(uses: Sequence[Use], wanted: int, paced_for: float = 0.0) -> Grant:
     Each window takes ``count - used`` more; the grant is the smallest room. A rate
     whose window is then full stops the rest until its oldest record leaves the
     window (a record of this grant is the oldest when the window held none).
-    ``paced_for`` is how long the slots given to rows held before last (the previous
-    grant's :attr:`Grant.paced_for`, counted down): the rest waits behind them, so
-    that a backlog held in many batches comes back at the rate, once, instead of
-    every batch's rows due in the same few seconds.
+    ``paced_for``: seconds until the slots already given to held rows run out (the
+    last holding grant's :attr:`Grant.paced_for`, counted down). Rows held now wait
+    behind them, so that a backlog held over many batches comes back at the rate,
+    each row once, instead of every batch's rows due in the same few seconds.
     """
     rates = tuple(use.rate for use in uses)
     room = min((max(0, u.rate.count - u.used) for u in uses), default=wanted)
