@@ -16,8 +16,9 @@ from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.checks import check_settings
 from celery_outbox.conf import load_settings
 from celery_outbox.engine.gate import OPEN
+from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
-from celery_outbox.exceptions import OutboxConfigurationError
+from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
 from celery_outbox.flow.core import (
     Flow,
     Grant,
@@ -338,3 +339,32 @@ def test_an_operator_rate_holds_on_the_relay_at_its_next_batch() -> None:
     world.store.add(envelope(str(i), task_name="shop.call_partner") for i in range(10))
     world.relay.run_once()
     assert len(world.publisher.published) == 5
+
+
+class DownFlows(InMemoryFlows):
+    """A flow store whose database is down: every decision fails as the SQL one's
+    would, translated at the boundary."""
+
+    def reserve(self, flow: Flow, wanted: int) -> Grant:
+        raise OutboxDatabaseError("outbox database 'default': OperationalError: gone")
+
+
+def test_a_gate_that_cannot_decide_hands_the_batch_back_unsent() -> None:
+    world = RelayWorld(["5/s"])
+    errors: list[LoopError] = []
+    world.relay.observers.append(
+        lambda event: errors.append(event) if isinstance(event, LoopError) else None
+    )
+    partner = Flow("partner", ("shop.call_partner",), (Rate(5, 1.0),))
+    world.relay.gate = FlowGate([partner], DownFlows())
+    world.store.add(envelope(str(i), task_name="shop.call_partner") for i in range(3))
+    world.relay.run_once()
+    assert world.publisher.published == []
+    assert [e.stage for e in errors] == ["gate"]
+    rows = world.store.rows
+    # Back after the relay's error pause, no attempt used, no error of theirs.
+    assert [(r.attempts, r.lease_token, r.last_error) for r in rows] == [
+        (0, None, "")
+    ] * 3
+    pause = world.relay.config.error_pause
+    assert [r.available_at - world.clock() for r in rows] == [pytest.approx(pause)] * 3
