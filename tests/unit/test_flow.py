@@ -232,7 +232,7 @@ class TestInMemoryFlows(FlowContract):
 class RelayWorld:
     """A relay with a flow gate, all in memory, on a fake clock; what it published when."""
 
-    def __init__(self, rates: list[str], batch_size: int = 50) -> None:
+    def __init__(self, rates: list[str], batch_size: int = 50, relays: int = 1) -> None:
         self.clock = FakeClock()
         self.tables = Tables(self.clock)
         self.store = InMemoryStore(tables=self.tables)
@@ -250,15 +250,21 @@ class RelayWorld:
         settings = load_settings(
             flows_setting({"partner": {"tasks": ["shop.call_partner"], "rate": rates}})
         )
-        self.relay = Relay(
-            self.store,
-            self.publisher,
-            config,
-            clock=self.clock,
-            waiter=FakeWaiter(self.clock),
-            observers=[self.observe],
-            gate=gate_for(settings, self.flows),
-        )
+        # Relays of their own (their own breaker, suspects, gate object) on one
+        # outbox and one flow store, as relays in several processes on one database.
+        self.relays = [
+            Relay(
+                self.store,
+                self.publisher,
+                config,
+                clock=self.clock,
+                waiter=FakeWaiter(self.clock),
+                observers=[self.observe],
+                gate=gate_for(settings, self.flows),
+            )
+            for _ in range(relays)
+        ]
+        self.relay = self.relays[0]
 
     def observe(self, event: RelayObservation) -> None:
         if isinstance(event, BatchSettled):
@@ -276,7 +282,8 @@ class RelayWorld:
         """Turn the relay, resting until the next row is due, until the outbox is empty."""
         start = self.clock()
         while self.store.pending() and self.clock() - start < limit:
-            if self.relay.run_once() is Cycle.EMPTY:
+            turns = [relay.run_once() for relay in self.relays]
+            if all(turn is Cycle.EMPTY for turn in turns):
                 self.clock.advance(max(self.relay.next_due(), 0.001))
             else:
                 self.clock.advance(0.001)  # a batch takes time
@@ -302,6 +309,19 @@ def test_the_relay_holds_a_flow_to_its_rate_in_every_window_and_uses_it() -> Non
     assert max(free) - start < 0.1
     # Held rows came back without an attempt used, none of them dead.
     assert world.tables.dead == {}
+
+
+def test_two_relays_hold_one_rate_between_them() -> None:
+    world = RelayWorld(["20/s"], batch_size=100, relays=2)
+    world.store.add(envelope(str(i), task_name="shop.call_partner") for i in range(300))
+    start = world.clock()
+    world.drain()
+    times = [t for t, _ in world.sent]
+    assert len(times) == 300
+    assert most_in_any_window(times, 1.0) <= 20
+    assert 14.0 <= max(times) - start <= 15.5
+    # The relays share the slots: no row is held again and again.
+    assert world.released <= 300
 
 
 def test_a_backlog_held_over_many_batches_comes_back_once_at_the_rate() -> None:
