@@ -54,6 +54,13 @@ def _ordered(tag: str, seconds: float = 0.0) -> str:
 
 ordered = app.task(name="bench.ordered")(_ordered)
 
+#: The flow part's task (``bench.flow``): the flow's rate decides when it is published.
+flowed = app.task(name="bench.flowed")(_ordered)
+
+#: The flow part's control: stock Celery's ``rate_limit``, held by each worker alone.
+#: Its calls go straight to the broker (the flow part's settings exclude it).
+limited = app.task(name="bench.limited", rate_limit="20/s")(_ordered)
+
 #: The Redis list of ``"<task id> <monotonic>"``, one per published message.
 PUBLISHED_KEY = f"{env.QUEUE}:published"
 

@@ -51,6 +51,7 @@ ENQUEUE_ROUND = 100
 #: function, ``(quick, repeats) -> table``, measures and renders its own table.
 PARTS = {
     "scheduled": "bench.scheduled:bench_scheduled",
+    "flow": "bench.flow:bench_flow",
 }
 
 

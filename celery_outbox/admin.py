@@ -23,6 +23,7 @@ from django.utils.safestring import SafeString
 
 from .decoding import decode_arguments
 from .envelope import load_json
+from .flow.admin import FlowStateAdmin as FlowStateAdmin  # registers the flows' admin
 from .history_admin import OutboxRecords, TaskLinks
 from .models import DeadLetter, MessageFields, OutboxMessage
 from .ordering.admin import BLOCKED_ACTIONS, OrderedKeysAdmin

@@ -28,6 +28,7 @@ from .enqueue import (
 )
 from .envelope import Envelope
 from .exceptions import OutboxConfigurationError, OutboxDatabaseError
+from .flow.core import flow_of
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
 from .text import check_text
@@ -77,9 +78,11 @@ class OutboxCelery(Celery):
         given = options.get("producer")
         running = self.current_worker_task
         if self._route(name, options.get("task_id"), settings, running) is Route.DIRECT:
-            if self._schedules(name, options, settings):
+            if self._schedules(name, options, settings) or self._gated(name, settings):
                 # Celery would publish it at once, to wait in a worker: it waits in
                 # the outbox instead, written on its own (no transaction to join).
+                # A flow's task (a retry, a task sent by a task) does too: its rate
+                # counts what the relays publish, and only they do.
                 options["task_id"] = options.get("task_id") or uuid()
                 try:
                     return super().send_task(
@@ -91,9 +94,10 @@ class OutboxCelery(Celery):
                     # Celery needs only the broker: a worker's retry must not be
                     # lost (Task.retry rejects the message when the send fails).
                     logger.warning(
-                        "the outbox database failed (%s: %s): task %s [%s], due "
-                        "later, goes to the broker at once, as Celery sends it, "
-                        "and waits in a worker until its ETA",
+                        "the outbox database failed (%s: %s): task %s [%s] goes to "
+                        "the broker at once, as Celery sends it (a task due later "
+                        "waits in a worker until its ETA; a flow's task is not "
+                        "counted by its flow)",
                         type(exc).__name__,
                         exc,
                         name,
@@ -224,6 +228,20 @@ class OutboxCelery(Celery):
             else _publishes_with_amqp(connection),
             zone=self.timezone,
             autocommit=self._outbox_enqueuer.autocommit if buffered else None,
+        )
+
+    def _gated(self, name: str, settings: OutboxSettings) -> bool:
+        """Whether a call a worker would send straight to the broker is a flow's
+        task (docs/flow.md), written to the outbox instead, as :meth:`_schedules`.
+
+        Not inside ``atomic()`` on the outbox alias: ``Task.retry`` raises through
+        the block, which would roll the row back (it goes to the broker then).
+        """
+        return (
+            bool(settings.flows)
+            and flow_of(settings.flows, name) is not None
+            and not is_excluded(name, settings.exclude_tasks)
+            and not connections[outbox_alias(settings)].in_atomic_block
         )
 
     def _schedules(

@@ -21,6 +21,7 @@ from django.dispatch import receiver
 
 from .durations import is_seconds, parse_duration
 from .exceptions import OutboxConfigurationError
+from .flow.core import Flow, parse_flows
 
 PREFIX = "CELERY_OUTBOX_"
 
@@ -103,6 +104,9 @@ class OutboxSettings:
     #: stays in the outbox, scheduled, and is published when it falls due; None
     #: publishes every task at once, as Celery does (see docs/scheduling.md).
     schedule_after: float | None = 60.0
+    #: Flow control (docs/flow.md): tasks that share rates for the whole deployment,
+    #: read from ``{"name": {"tasks": [...], "rate": "10/s" or [...]}}``.
+    flows: tuple[Flow, ...] = ()
 
 
 _FIELDS = {
@@ -145,6 +149,7 @@ _FIELDS = {
     "EVENTS_QUEUE_TYPE": "events_queue_type",
     "EVENTS_RETRIES": "events_retries",
     "SCHEDULE_AFTER": "schedule_after",
+    "FLOWS": "flows",
 }
 
 #: The values of the string settings that take one of a few choices.
@@ -285,6 +290,11 @@ def _validated(field: str, value: Any) -> Any:
         return _retention(name, value)
     if field == "schedule_after":
         return _schedule_after(name, value)
+    if field == "flows":
+        try:
+            return parse_flows(value)
+        except ValueError as exc:
+            raise OutboxConfigurationError(f"{PREFIX}{name}: {exc}.") from None
     if field in _CHOICES:
         if value not in _CHOICES[field]:
             choices = ", ".join(repr(choice) for choice in _CHOICES[field])

@@ -181,3 +181,50 @@ class HistoryEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.task_id}] {self.event}"
+
+
+class FlowState(models.Model):
+    """One flow of ``CELERY_OUTBOX_FLOWS``: the row every relay locks to decide for it.
+
+    A relay deciding what the flow may publish holds this row's lock while it reads
+    the window and records what it is about to publish: relays take turns per flow.
+    ``rates`` is an operator's change of the settings' rates (``outbox flows rate``),
+    read at each decision; NULL keeps the settings'.
+    """
+
+    name = models.CharField(primary_key=True, max_length=255)
+    rates = models.CharField(max_length=255, null=True, blank=True)
+    changed_at = models.DateTimeField(null=True, blank=True)
+    #: When the rows held back so far have all had their slot at the rate: rows held
+    #: next are given slots after it (database clock).
+    paced_until = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "celery_outbox_flow"
+        verbose_name = "flow"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.rates or 'rates of the settings'})"
+
+
+class FlowRecord(models.Model):
+    """Publishes a relay recorded for a flow, before sending them (database clock).
+
+    The window of a rate is the sum of the records younger than it; records older
+    than the flow's longest window are deleted by the next decision.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    flow = models.CharField(max_length=255)
+    at = models.DateTimeField()
+    tasks = models.PositiveIntegerField()
+
+    class Meta:
+        db_table = "celery_outbox_flow_record"
+        verbose_name = "flow record"
+        indexes = [
+            models.Index(fields=["flow", "at"], name="celery_outbox_flow_at_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.flow}: {self.tasks} at {self.at}"

@@ -10,7 +10,7 @@ import argparse
 from types import ModuleType
 from typing import Any
 
-from . import deprecated, events, handlers, ordering, tasks
+from . import deprecated, events, flows, handlers, ordering, tasks
 from .options import Streams
 from .relay import add_relay, run_health
 
@@ -20,13 +20,14 @@ LANES: dict[str, ModuleType] = {
     "ordering": ordering,
     "handlers": handlers,
     "events": events,
+    "flows": flows,
 }
 
 DESCRIPTION = (
     "celery-outbox. Usage: outbox <lane> <verb> [selectors] [options]. "
     "Lanes: tasks (plain tasks), ordering (ordered keys), handlers (handler "
-    "outboxes), events (events to other services). Verbs, the same on every lane "
-    "that has them: stats, inspect, replay, purge, pause, resume, retry, skip. "
+    "outboxes), events (events to other services), flows (flow control's "
+    "rates). Verbs, the same on every lane that has them: stats, inspect, replay, purge, pause, resume, retry, skip. "
     "'outbox events' is not 'celery events' (worker monitoring) and 'outbox tasks "
     "inspect' is not 'celery inspect' (worker control): both act on the outbox. "
     "'outbox <lane> --help' lists a lane's verbs."
@@ -38,7 +39,7 @@ def build(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
     commands = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{relay,health,tasks,ordering,handlers,events}",
+        metavar="{relay,health,tasks,ordering,handlers,events,flows}",
     )
     add_relay(
         commands.add_parser(

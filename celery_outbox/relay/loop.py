@@ -7,6 +7,7 @@ commits before the first publish, and the settlement is a second short transacti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -16,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..broker import Publisher, describe
 from ..deprecation import deprecated
+from ..engine.gate import OPEN, Gate
 from ..engine.heartbeat import Heartbeat
 from ..engine.loop import Loop, Pacing, Turn, WakeupSource
 from ..engine.observations import LoopError, StopReason, notify
@@ -65,6 +67,7 @@ class Relay:
         batch_hooks: Sequence[BatchHook] = (),
         heartbeat: Heartbeat | None = None,
         listeners: Sequence[Observer] | None = None,
+        gate: Gate = OPEN,
     ) -> None:
         if listeners is not None:
             deprecated("Relay(listeners=...)", "Relay(observers=...)")
@@ -72,6 +75,8 @@ class Relay:
         self.store = store
         self.publisher = publisher
         self.config = config
+        #: What the relay may publish of each claimed batch (flow control).
+        self.gate = gate
         self.clock = clock
         self.random = random_source
         self.observers: list[Observer] = list(observers)
@@ -232,19 +237,41 @@ class Relay:
         return len(claim.messages)
 
     def _publish_batch(self, claim: Claim, started: float, leased_at: float) -> None:
-        """Publish claimed rows, decide, settle and report :class:`BatchSettled`."""
+        """Ask the gate, publish what it admits, decide, settle and report
+        :class:`BatchSettled`; the rows the gate holds back are released with it."""
+        try:
+            admission = self.gate.admit(claim.messages)
+        except OutboxDatabaseError as exc:
+            # The rows come back after the pause, unsent. A flow decided before the
+            # error keeps its record: it can only count too many, never too few.
+            self._database_failed("gate", exc)
+            pause = self.config.error_pause
+            self._settle(
+                claim.token,
+                Settlement(
+                    release=tuple(
+                        Decision(m.id, Action.RELEASE, pause) for m in claim.messages
+                    )
+                ),
+            )
+            return
+        messages = admission.admitted
         budget = _BatchBudget(
-            self, claim.token, [m.id for m in claim.messages], started, leased_at
+            self, claim.token, [m.id for m in messages], started, leased_at
         )
         publish_started = self.clock()
-        results = self._publish(claim.messages, budget)
+        results = self._publish(messages, budget) if messages else []
         publish_seconds = self.clock() - publish_started
-        attempts = {m.id: m.attempts for m in claim.messages}
+        attempts = {m.id: m.attempts for m in messages}
         settlement = ordered_settlement(
             settle(results, attempts, self.config.policy, self.random),
-            claim.messages,
+            messages,
             self.config.strict_lease_seconds,
         )
+        if admission.held:
+            settlement = dataclasses.replace(
+                settlement, release=settlement.release + admission.held
+            )
         self._note_breaker(results)
         self.suspects = self.suspects.after_batch(results)
         self.unsent = self.unsent.after_batch(results, settlement)

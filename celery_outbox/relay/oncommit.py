@@ -21,6 +21,7 @@ from django.db import connections, transaction
 
 from ..broker import build_publisher
 from ..conf import get_settings
+from ..flow.gate import gate_for
 from ..store import Stores
 from .config import RelayConfig
 from .loop import Relay
@@ -111,11 +112,14 @@ class CommitPublisher:
             # One outage is enough to stop trying from request threads for a while.
             config = RelayConfig.from_settings(settings, breaker_threshold=1)
             publisher = build_publisher(self._app, settings)
+            stores = Stores(alias)
             relay = Relay(
-                Stores(alias).relay(),
+                stores.relay(),
                 publisher,
                 config,
                 observers=[send_relay_signals, *sent_event_observers(self._app)],
+                # A flow's rate holds for the rows published at the commit too.
+                gate=gate_for(settings, stores.flows()),
             )
             relays[alias] = relay
         return relay

@@ -14,6 +14,7 @@ from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
 from ..engine.heartbeat import Heartbeat, new_relay_id
 from ..engine.waiter import Waiter
+from ..flow.gate import gate_for
 from ..metrics import RelayMetrics, configured_sinks
 from ..signals import send_relay_signals
 from ..store import outbox_stores
@@ -99,6 +100,7 @@ def build_relay(
         observers=observers,
         batch_hooks=batch_hooks,
         heartbeat=heartbeat,
+        gate=gate_for(settings, stores.flows()),
     )
 
 

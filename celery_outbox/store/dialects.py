@@ -21,8 +21,18 @@ DEAD_TABLE = "celery_outbox_deadletter"
 RELAY_TABLE = "celery_outbox_relay"
 DEDUP_TABLE = "celery_outbox_dedup_key"
 HISTORY_TABLE = "celery_outbox_history"
+FLOW_TABLE = "celery_outbox_flow"
+FLOW_RECORD_TABLE = "celery_outbox_flow_record"
 #: Every table the ``celery_outbox`` migrations make.
-TABLES = (MESSAGE_TABLE, DEAD_TABLE, RELAY_TABLE, DEDUP_TABLE, HISTORY_TABLE)
+TABLES = (
+    MESSAGE_TABLE,
+    DEAD_TABLE,
+    RELAY_TABLE,
+    DEDUP_TABLE,
+    HISTORY_TABLE,
+    FLOW_TABLE,
+    FLOW_RECORD_TABLE,
+)
 
 #: Columns copied verbatim between the outbox and the dead-letter table.
 MESSAGE_COLUMNS = (
@@ -143,9 +153,22 @@ class Dialect:
         """A delay as this vendor's :meth:`after_expr` wants it."""
         raise NotImplementedError
 
-    def age_seconds(self, column: str) -> str:
-        """SQL for how many seconds ago the timestamp in ``column`` was."""
+    def age_seconds(self, column: str, *, clock: bool = False) -> str:
+        """SQL for how many seconds ago the timestamp in ``column`` was.
+
+        ``clock``: counted to the statement's time (:meth:`clock`), not the
+        transaction's.
+        """
         raise NotImplementedError
+
+    def insert_missing(self, table: str, key: str, columns: Sequence[str]) -> str:
+        """An INSERT of one row (``%s`` per column) that does nothing when a row
+        with its ``key`` exists, even one another transaction is inserting."""
+        values = placeholders(columns)
+        return (
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({values}) "
+            f"ON CONFLICT ({key}) DO NOTHING"
+        )
 
     def among(self, column: str, ids: Sequence[int]) -> tuple[str, list[Any]]:
         """SQL (and parameters) for ``column`` being one of ``ids``."""
@@ -263,8 +286,9 @@ class PostgresDialect(Dialect):
     def delay_value(self, seconds: float) -> Any:
         return float(seconds)
 
-    def age_seconds(self, column: str) -> str:
-        return f"EXTRACT(EPOCH FROM now() - {column})"
+    def age_seconds(self, column: str, *, clock: bool = False) -> str:
+        start = self.clock() if clock else self.now()
+        return f"EXTRACT(EPOCH FROM {start} - {column})"
 
     def among(self, column: str, ids: Sequence[int]) -> tuple[str, list[Any]]:
         # One array parameter: the statement text stays the same for every batch, so
@@ -316,8 +340,14 @@ class MySQLDialect(Dialect):
     def delay_value(self, seconds: float) -> Any:
         return round(seconds * 1_000_000)
 
-    def age_seconds(self, column: str) -> str:
+    def age_seconds(self, column: str, *, clock: bool = False) -> str:
         return f"TIMESTAMPDIFF(MICROSECOND, {column}, UTC_TIMESTAMP(6)) / 1000000.0"
+
+    def insert_missing(self, table: str, key: str, columns: Sequence[str]) -> str:
+        return (
+            f"INSERT IGNORE INTO {table} ({', '.join(columns)}) "
+            f"VALUES ({placeholders(columns)})"
+        )
 
     def claim(
         self,
@@ -365,7 +395,7 @@ class SQLiteDialect(Dialect):
     def delay_value(self, seconds: float) -> Any:
         return f"{seconds:+.6f} seconds"
 
-    def age_seconds(self, column: str) -> str:
+    def age_seconds(self, column: str, *, clock: bool = False) -> str:
         return f"(julianday('now') - julianday({column})) * 86400.0"
 
 

@@ -30,6 +30,7 @@ from .types import (
 
 if TYPE_CHECKING:
     from ..envelope import Envelope
+    from ..flow.core import Flow, FlowStats, Grant, Rate
     from ..ordering.options import Policy
     from .events import DeadEvent
     from .history import MessageTrace
@@ -296,4 +297,31 @@ class EventStore(Protocol):
 
     def waiting_retries(self, prefix: str) -> int:
         """Outbox rows routed to queues starting with ``prefix``."""
+        ...
+
+
+class FlowStore(Protocol):
+    """Flow control's state: what the gate reserves, what an operator sees and sets.
+
+    Every relay reserves through the same rows, so a flow's rates hold for the
+    whole deployment: :meth:`reserve` decides for one flow at a time and records
+    what it grants before the relay publishes it.
+    """
+
+    def reserve(self, flow: Flow, wanted: int) -> Grant:
+        """Grant up to ``wanted`` publishes of ``flow`` now, under the rates in force
+        (an operator's, else the flow's), and record the granted ones as published."""
+        ...
+
+    def set_rates(self, name: str, rates: Sequence[Rate] | None) -> None:
+        """Put ``rates`` in force for the flow ``name`` at the next decision of every
+        relay; None goes back to the settings' rates."""
+        ...
+
+    def flow_stats(self, flows: Sequence[Flow]) -> tuple[FlowStats, ...]:
+        """Each flow's rows waiting, its publishes of the last minute, its rates."""
+        ...
+
+    def reset_connection(self) -> None:
+        """Drop a connection that failed, so that the next call reconnects."""
         ...

@@ -15,6 +15,7 @@ from django.db import router
 from ..conf import OutboxSettings, get_settings
 from .dedup import DedupKeys
 from .events import EventRows
+from .flows import FlowQueries
 from .history import HistoryLog
 from .operator import OperatorQueries
 from .ordering import OrderingQueries
@@ -93,12 +94,17 @@ class Stores:
         """Event retries the database holds, and the services' dead events."""
         return EventRows(self.alias)
 
+    def flows(self) -> FlowQueries:
+        """Flow control's rows: the gate's reservations, the operator's rates."""
+        return FlowQueries(self.alias)
+
 
 if TYPE_CHECKING:  # mypy checks here that each object implements its role
     from .protocol import (
         DedupStore,
         EnqueueStore,
         EventStore,
+        FlowStore,
         HistoryStore,
         OperatorStore,
         OrderingStore,
@@ -114,3 +120,4 @@ if TYPE_CHECKING:  # mypy checks here that each object implements its role
     _history: type[HistoryStore] = HistoryLog
     _registry: type[RegistryStore] = RelayRegistry
     _events: type[EventStore] = EventRows
+    _flows: type[FlowStore] = FlowQueries

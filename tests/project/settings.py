@@ -7,6 +7,7 @@ Hosts and the broker come from environment variables with loopback defaults.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import uuid
@@ -159,6 +160,9 @@ if os.environ.get("OUTBOX_TEST_VISIBILITY_TIMEOUT"):
     }
 if os.environ.get("OUTBOX_TEST_SCHEDULE_AFTER"):
     CELERY_OUTBOX_SCHEDULE_AFTER = float(os.environ["OUTBOX_TEST_SCHEDULE_AFTER"])
+# Flow control's e2e test: CELERY_OUTBOX_FLOWS as JSON, for the relays and the worker.
+if os.environ.get("OUTBOX_TEST_FLOWS"):
+    CELERY_OUTBOX_FLOWS = json.loads(os.environ["OUTBOX_TEST_FLOWS"])
 
 SILENCED_SYSTEM_CHECKS = ["celery_outbox.W001"]
 

@@ -42,6 +42,9 @@ PLACES = {
     # Ordered keys' options and head rule: values the store's claim applies.
     "celery_outbox.ordering.core": "values",
     "celery_outbox.ordering.options": "values",
+    # Flow control's rates and decisions: values the gate and its store apply.
+    "celery_outbox.flow": "values",
+    "celery_outbox.flow.core": "values",
     # Stores and brokers: every read and write of the tables, every broker call.
     "celery_outbox.backends": "stores",
     "celery_outbox.broker": "stores",
@@ -52,8 +55,9 @@ PLACES = {
     # The handler app's tables: its store (celery_outbox.store.handlers) reads them.
     "celery_outbox.handlers.migrations": "stores",
     "celery_outbox.handlers.models": "stores",
-    # The engine of leased work.
+    # The engine of leased work, and the gate that limits what a lane publishes.
     "celery_outbox.engine": "engine",
+    "celery_outbox.flow.gate": "engine",
     # Lanes, and what observes them.
     "celery_outbox.events": "lanes",
     "celery_outbox.handlers": "lanes",
@@ -83,6 +87,7 @@ PLACES = {
     "celery_outbox.management": "top",
     "celery_outbox.operations": "top",
     "celery_outbox.ordering.admin": "top",
+    "celery_outbox.flow.admin": "top",
     "celery_outbox.pytest_plugin": "top",
     "celery_outbox.revoke": "top",
     "celery_outbox.relay.runner": "top",

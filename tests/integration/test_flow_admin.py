@@ -1,0 +1,41 @@
+"""Flows in the admin: the rates in force, and an operator's rates saved as the
+``outbox flows rate`` command saves them (the next decision of every relay)."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client, override_settings
+
+from celery_outbox.conf import get_settings
+from celery_outbox.store import Stores
+
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
+
+FLOWS = "/admin/celery_outbox/flowstate/"
+PARTNER = {"partner": {"tasks": ["shop.call_partner"], "rate": ["3/s", "1000/d"]}}
+
+
+@override_settings(CELERY_OUTBOX_FLOWS=PARTNER)
+def test_an_operator_changes_a_flows_rates_in_the_admin(admin_client: Client) -> None:
+    (partner,) = get_settings().flows
+    flows = Stores("default").flows()
+    flows.reserve(partner, 1)  # a relay decided for it: its row exists
+    listing = admin_client.get(FLOWS).content.decode()
+    assert "partner" in listing and "3/s, 1000/d" in listing
+    page = f"{FLOWS}partner/change/"
+    refused = admin_client.post(page, {"rates": "20/x"})
+    assert refused.status_code == 200
+    assert "&#x27;20/x&#x27; is not a rate" in refused.content.decode()
+    assert flows.flow_stats([partner])[0].changed is False
+    assert admin_client.post(page, {"rates": "5/s, 100/m"}).status_code == 302
+    (stats,) = flows.flow_stats([partner])
+    assert ([str(r) for r in stats.rates], stats.changed) == (["5/s", "100/m"], True)
+    assert "5/s, 100/m" in admin_client.get(FLOWS).content.decode()
+    admin_client.post(page, {"rates": ""})
+    assert flows.flow_stats([partner])[0].changed is False
+
+
+def test_flows_are_neither_added_nor_deleted_in_the_admin(
+    admin_client: Client,
+) -> None:
+    assert admin_client.get(f"{FLOWS}add/").status_code == 403

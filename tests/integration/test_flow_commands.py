@@ -1,0 +1,106 @@
+"""``outbox flows stats`` and ``outbox flows rate`` on every database: what an
+operator reads and changes, and what the next decision of a relay then does."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import transaction
+from django.test import override_settings
+
+from celery_outbox.conf import get_settings
+from celery_outbox.store import Stores
+
+from .builders import envelope
+
+pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
+
+FLOWS = {
+    "partner": {
+        "tasks": ["shop.call_partner", "shop.sync_*"],
+        "rate": ["3/s", "1000/d"],
+    }
+}
+
+
+@pytest.fixture
+def on_alias(alias: str) -> Iterator[str]:
+    with override_settings(CELERY_OUTBOX_DATABASE=alias, CELERY_OUTBOX_FLOWS=FLOWS):
+        yield alias
+
+
+def outbox(*args: str) -> str:
+    out = StringIO()
+    call_command("outbox", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_stats_show_each_flows_backlog_recent_publishes_and_rate(
+    on_alias: str,
+) -> None:
+    with transaction.atomic(using=on_alias):
+        Stores(on_alias).writer().insert(
+            [envelope(str(i), task_name="shop.sync_stock") for i in range(4)]
+        )
+    (partner,) = get_settings().flows
+    assert Stores(on_alias).flows().reserve(partner, 5).granted == 3
+    assert json.loads(outbox("flows", "stats", "--format", "json")) == [
+        {
+            "name": "partner",
+            "tasks": ["shop.call_partner", "shop.sync_*"],
+            "rates": ["3/s", "1000/d"],
+            "changed": False,
+            "waiting": 4,
+            "published_last_minute": 3,
+        }
+    ]
+    assert outbox("flows", "stats") == (
+        "partner: waiting 4  published in the last minute 3  rate 3/s, 1000/d "
+        "(settings)\n"
+    )
+
+
+def test_a_rate_changed_by_command_is_the_next_decisions_and_reset_undoes_it(
+    on_alias: str,
+) -> None:
+    (partner,) = get_settings().flows
+    assert outbox("flows", "rate", "partner", "5/s", "10/m") == (
+        "flow 'partner': rate 5/s, 10/m on every relay from now\n"
+    )
+    found = Stores(on_alias).flows().reserve(partner, 9)
+    assert (found.granted, [str(r) for r in found.rates]) == (5, ["5/s", "10/m"])
+    assert json.loads(outbox("flows", "stats", "--format", "json"))[0]["changed"]
+    assert outbox("flows", "rate", "partner", "--reset") == (
+        "flow 'partner': back to the settings' rate 3/s, 1000/d\n"
+    )
+    stats = json.loads(outbox("flows", "stats", "--format", "json"))[0]
+    assert (stats["rates"], stats["changed"]) == (["3/s", "1000/d"], False)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ("mailer", "5/s"),
+            "No flow 'mailer' in CELERY_OUTBOX_FLOWS (configured: partner)",
+        ),
+        (("partner", "20/x"), "'20/x' is not a rate"),
+        (("partner", "0/s"), "'0/s' lets nothing through"),
+        (("partner",), "Give the new rates"),
+        (("partner", "5/s", "--reset"), "not both"),
+    ],
+)
+def test_a_wrong_rate_command_changes_nothing_and_says_why(
+    on_alias: str, args: tuple[str, ...], said: str
+) -> None:
+    with pytest.raises(CommandError, match=None) as raised:
+        outbox("flows", "rate", *args)
+    assert said in str(raised.value)
+    assert (
+        json.loads(outbox("flows", "stats", "--format", "json"))[0]["changed"] is False
+    )
