@@ -236,21 +236,11 @@ with Connection(url) as conn:
 """
 
 
-class ThroughKombu(RedisPublisher):
-    """The publisher as it runs on a kombu without the direct path's API (< 5.7)."""
-
-    direct = False
-
-
-@pytest.mark.parametrize("kind", [RedisPublisher, ThroughKombu])
-def test_a_copy_a_worker_did_not_acknowledge_goes_back_to_its_own_list_only(
+def publish_an_event(
     names: Names, kind: type[RedisPublisher]
-) -> None:
-    """An event to two services' queues by a topic. A worker of one service takes
-    its copy and goes away without acknowledging it (killed, or a visibility
-    timeout passed): kombu puts the copy back by routing its delivery info again, in
-    a process whose channel never declared the events exchange (a worker's does
-    not). It must land in that service's list again, and only there."""
+) -> tuple[Queue, Queue, list[StoredMessage]]:
+    """One event published by ``kind`` to two services' queues through a topic
+    exchange: (billing's queue, shipping's queue, the stored message)."""
     exchange = Exchange(names.exchange, type="topic")
     billing = Queue(f"{names.queue}-billing", exchange, routing_key="order.*")
     shipping = Queue(f"{names.queue}-shipping", exchange, routing_key="order.created")
@@ -269,6 +259,25 @@ def test_a_copy_a_worker_did_not_acknowledge_goes_back_to_its_own_list_only(
     finally:
         publisher.close()
     assert [r.outcome for r in results] == [Outcome.PUBLISHED]
+    return billing, shipping, messages
+
+
+class ThroughKombu(RedisPublisher):
+    """The publisher as it runs on a kombu without the direct path's API (< 5.7)."""
+
+    direct = False
+
+
+@pytest.mark.parametrize("kind", [RedisPublisher, ThroughKombu])
+def test_a_copy_a_worker_did_not_acknowledge_goes_back_to_its_own_list_only(
+    names: Names, kind: type[RedisPublisher]
+) -> None:
+    """An event to two services' queues by a topic. A worker of one service takes
+    its copy and goes away without acknowledging it (killed, or a visibility
+    timeout passed): kombu puts the copy back by routing its delivery info again, in
+    a process whose channel never declared the events exchange (a worker's does
+    not). It must land in that service's list again, and only there."""
+    billing, shipping, messages = publish_an_event(names, kind)
     client = redis.Redis.from_url(BROKER_REDIS)
     assert (client.llen(billing.name), client.llen(shipping.name)) == (1, 1)
 
@@ -316,24 +325,8 @@ def test_a_copy_acknowledged_in_one_list_leaves_the_other_lists_copies_unacknowl
     delivery tag and an ack deletes that tag's entry: copies that shared one tag
     shared one entry, and billing's ack deleted shipping's, whose copy was lost.
     Each copy has a tag of its own: shipping's goes back to its list."""
-    exchange = Exchange(names.exchange, type="topic")
-    billing = Queue(f"{names.queue}-billing", exchange, routing_key="order.*")
-    shipping = Queue(f"{names.queue}-shipping", exchange, routing_key="order.created")
+    billing, shipping, messages = publish_an_event(names, kind)
     queues = {queue.name: queue for queue in (billing, shipping)}
-    messages = stored(
-        envelope(
-            "order-created",
-            exchange=names.exchange,
-            routing_key="order.created",
-            declare=tuple(queues),
-        )
-    )
-    publisher = kind(lambda: Connection(BROKER_REDIS), queues.__getitem__)
-    try:
-        results = publisher.publish(messages, FixedBudget(time.monotonic() + 10))
-    finally:
-        publisher.close()
-    assert [r.outcome for r in results] == [Outcome.PUBLISHED]
     client = redis.Redis.from_url(BROKER_REDIS)
     tags = {
         json.loads(raw)["properties"]["delivery_tag"]
