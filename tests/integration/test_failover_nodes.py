@@ -20,7 +20,7 @@ from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult
 from tests.proxy import closed_port
 
-from ..integration.builders import envelope
+from .builders import envelope
 
 
 @pytest.fixture
