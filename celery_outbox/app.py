@@ -28,7 +28,8 @@ from .enqueue import (
 )
 from .envelope import Envelope
 from .exceptions import OutboxConfigurationError, OutboxDatabaseError
-from .flow.core import flow_of
+from .flow.core import KEY_HEADER, flow_of
+from .flow.worker import install as install_flow_reports
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
 from .text import check_text
@@ -69,14 +70,20 @@ class OutboxCelery(Celery):
         self._outbox_local = threading.local()
         self._outbox_commit_publisher: Any = None
         _instances.add(self)
-        # Strict ordering: workers report when a strict task is done (no-op otherwise).
+        # Strict ordering and flow keys: workers report when a watched task starts
+        # or ends (no-op for the others).
         install_ordering_reports()
+        install_flow_reports()
 
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
         """Send a task by name: through the outbox, or direct when :func:`choose_route` says so."""
         settings = get_settings()
         given = options.get("producer")
         running = self.current_worker_task
+        if running is not None and "flow_key" not in options:
+            inherited = retried_flow_key(running, options.get("task_id"))
+            if inherited is not None:
+                options["flow_key"] = inherited
         if self._route(name, options.get("task_id"), settings, running) is Route.DIRECT:
             if self._schedules(name, options, settings) or self._gated(name, settings):
                 # Celery would publish it at once, to wait in a worker: it waits in
@@ -103,6 +110,7 @@ class OutboxCelery(Celery):
                         name,
                         options["task_id"],
                     )
+            options.pop("flow_key", None)  # not a message property: no flow counts it
             if given is None or isinstance(given, CapturingProducer):
                 # Our producer_or_acquire buffers into the outbox: take a real one.
                 with super().producer_or_acquire(None) as producer:
@@ -320,3 +328,17 @@ def resolve_app(settings: OutboxSettings | None = None) -> OutboxCelery:
         f"Cannot tell which Celery app the relay should use: {found}. Set "
         f"CELERY_OUTBOX_APP = 'proj.celery.app' (the dotted path of your OutboxCelery)."
     )
+
+
+def retried_flow_key(running: Any, task_id: Any) -> str | None:
+    """The flow key of the task a worker runs, when it sends itself again (a
+    ``retry()``: the same task id), so that its retry waits for a slot of the same
+    key; None otherwise. A broker's custom header reaches the request as an
+    attribute; an eager or direct call's, in its ``headers``."""
+    request = getattr(running, "request", None)
+    if request is None or task_id is None or getattr(request, "id", None) != task_id:
+        return None
+    key = getattr(request, KEY_HEADER, None) or (
+        getattr(request, "headers", None) or {}
+    ).get(KEY_HEADER)
+    return key if isinstance(key, str) and key else None

@@ -39,6 +39,7 @@ from .exceptions import (
     OutboxTransactionError,
     OutboxValueError,
 )
+from .flow.core import FLOW_HEADER, KEY_HEADER, check_key, flow_of
 from .ordering.options import HEADER as ORDERING_HEADER
 from .ordering.options import OPTION_NAMES, pop_options
 from .queues import cached_queue_spec
@@ -299,6 +300,7 @@ class CapturingProducer:
         }
         dedup_key = properties.pop("dedup_key", None)
         dedup_window = properties.pop("dedup_window", None)
+        flow_key = properties.pop("flow_key", None)
         headers = dict(headers or {})
         exchange_name, default_mode = _exchange_details(exchange)
         if self._event_exchange and exchange_name == self._event_exchange:
@@ -319,6 +321,8 @@ class CapturingProducer:
         ordering = pop_options(ordering_given, task_name)
         if ordering.header is not None:
             headers[ORDERING_HEADER] = ordering.header
+        if flow_key is not None or KEY_HEADER in headers:
+            headers.update(flow_headers(flow_key, headers, task_name))
         content_type, content_encoding, data = serialize(
             body, serializer or self._default_serializer, task_name
         )
@@ -412,6 +416,26 @@ GROUP_PAUSE_SECONDS = 0.1
 
 #: Present in ``sys.modules`` once the application uses OpenTelemetry.
 OTEL_TRACE_MODULE = "opentelemetry.trace"
+
+
+def flow_headers(
+    given: Any, headers: Mapping[str, Any], task_name: str
+) -> dict[str, str]:
+    """The headers of a call's ``flow_key`` (or of the key its headers carry: a
+    retry's), checked, with the name of the flow that covers the task.
+
+    Raises :class:`OutboxValueError` naming the mistake; nothing is written then.
+    """
+    value = given if given is not None else headers.get(KEY_HEADER)
+    try:
+        key = check_key(value, f"Cannot enqueue task {task_name[:80]!r}")
+        check_text(key, "flow_key", f"Cannot enqueue task {task_name[:80]!r}")
+    except ValueError as exc:
+        raise OutboxValueError(str(exc)) from None
+    found = flow_of(get_settings().flows, task_name)
+    if found is None:  # kept with the message; no flow counts it
+        return {KEY_HEADER: key}
+    return {KEY_HEADER: key, FLOW_HEADER: found.name}
 
 
 def _exchange_details(exchange: str | Exchange | None) -> tuple[str, Any]:

@@ -76,6 +76,10 @@ class OutboxMessage(MessageFields):
     #: task falls due, on the database clock. Ages count from it (a scheduled task is
     #: not late while it waits). NULL otherwise: other rows never write it.
     due_at = models.DateTimeField(null=True, blank=True)
+    #: Rows waiting for a slot of their flow key only (``state`` ``parked``,
+    #: :mod:`celery_outbox.flow`): the key whose worker's report wakes them. NULL
+    #: otherwise, so that the enqueue path never writes it.
+    flow_key = models.CharField(max_length=255, null=True, blank=True)
 
     class Meta:
         db_table = "celery_outbox_message"
@@ -85,6 +89,8 @@ class OutboxMessage(MessageFields):
             models.Index(fields=["task_id"], name="celery_outbox_task_idx"),
             #: Finds a key's head (its lowest id) for the claim's head rule.
             models.Index(fields=["ordering_key", "id"], name="celery_outbox_key_idx"),
+            #: Finds a flow key's waiting rows when a slot of the key frees.
+            models.Index(fields=["flow_key", "id"], name="celery_outbox_flowkey_idx"),
         ]
 
 
@@ -134,7 +140,7 @@ class DedupKey(models.Model):
 
     dedup_key = models.CharField(primary_key=True, max_length=255)
     task_id = models.CharField(max_length=255)
-    held_until = models.DateTimeField()
+    held_expires_at = models.DateTimeField()
 
     class Meta:
         db_table = "celery_outbox_dedup_key"
@@ -198,6 +204,9 @@ class FlowState(models.Model):
     #: When the rows held back so far have all had their slot at the rate: rows held
     #: next are given slots after it (database clock).
     paced_until = models.DateTimeField(null=True, blank=True)
+    #: An operator's change of the settings' limits per key (``outbox flows
+    #: limit``), JSON as the setting writes them; NULL keeps the settings'.
+    limits = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "celery_outbox_flow"
@@ -228,3 +237,34 @@ class FlowRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.flow}: {self.tasks} at {self.at}"
+
+
+class FlowSlot(models.Model):
+    """A published task of a flow key that its worker has not reported finished.
+
+    The gate writes it when it lets the task go; the worker marks it started and
+    deletes it when the task ends. A slot past ``expires_at`` (its worker died with the
+    report) no longer counts and is deleted by the next decision.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    flow = models.CharField(max_length=255)
+    flow_key = models.CharField(max_length=255)
+    task_id = models.CharField(max_length=255)
+    started = models.BooleanField(default=False)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "celery_outbox_flow_slot"
+        verbose_name = "flow slot"
+        indexes = [
+            models.Index(
+                fields=["flow", "flow_key"], name="celery_outbox_slot_key_idx"
+            ),
+            models.Index(
+                fields=["flow", "task_id"], name="celery_outbox_slot_task_idx"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.flow} {self.flow_key}: {self.task_id}"

@@ -21,6 +21,9 @@ DEFERRED = "deferred"
 RUNNING = "running"
 #: A failed ordered head that stops its key until an operator acts.
 BLOCKED = "blocked"
+#: A flow's task whose key is at its limit: it waits for a slot of its key
+#: (``celery_outbox.flow``), woken when one frees.
+PARKED = "parked"
 #: In the dead letters.
 DEAD = "dead"
 #: Confirmed by the broker and gone from the outbox (known from the history only).
@@ -41,7 +44,7 @@ def row_state(
 
     ``scheduled``: the row's ``due_at`` (its ETA) has not come yet.
     """
-    if ordering_state in (RUNNING, BLOCKED):
+    if ordering_state in (RUNNING, BLOCKED, PARKED):
         return ordering_state
     if due:
         return DUE

@@ -4,15 +4,18 @@
 * :func:`use_of`: how much of one rate's sliding window the publish records use;
 * :func:`grant`: how many of the wanted rows the rates let through now, and when
   the window takes more;
+* :func:`by_key`: which rows of a flow's keys their limits let go now, round-robin
+  between the keys, and which wait for a slot of their key;
 * :func:`plan`: which claimed rows go to the broker and which go back, with when.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -23,7 +26,21 @@ from ..outcomes import Action, Decision
 UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 #: The keys a flow's entry in ``CELERY_OUTBOX_FLOWS`` takes.
-FLOW_KEYS = ("tasks", "rate")
+FLOW_KEYS = ("tasks", "rate", "running", "queued", "keys", "lease")
+#: The limits a flow sets on each of its keys (and ``keys`` on some of them).
+LIMIT_KEYS = ("running", "queued")
+#: What a flow needs at least one of.
+POLICY_KEYS = ("rate", "running", "queued", "keys")
+
+#: The header that carries a task's flow key (``flow_key=``) to the relay and the worker.
+KEY_HEADER = "outbox_flow_key"
+#: The header that names the flow of a keyed task, for the worker's reports.
+FLOW_HEADER = "outbox_flow"
+#: The longest flow key (the column's length).
+KEY_LIMIT = 255
+#: Seconds a slot of a key stays taken without its worker's report (the default of
+#: a flow's ``lease``): a worker killed mid-task frees its slot then.
+SLOT_LEASE = 300.0
 
 #: The longest flow name (the primary key of its row).
 NAME_LIMIT = 255
@@ -32,7 +49,7 @@ _RATE = re.compile(r"\s*(\d+)\s*/\s*([a-z]+)\s*")
 
 _EXAMPLE = (
     "e.g. {'partner': {'tasks': ['shop.call_partner', 'shop.sync_*'], "
-    "'rate': ['10/s', '100000/d']}}"
+    "'rate': ['10/s', '100000/d'], 'running': 2}}"
 )
 
 
@@ -100,13 +117,89 @@ def rates_text(rates: Iterable[Rate]) -> str:
 
 
 @dataclass(frozen=True)
+class KeyLimit:
+    """What one key of a flow may have at once; None: no such limit."""
+
+    #: Published and not finished (the worker reports the end).
+    running: int | None = None
+    #: Published and not started (the worker reports the start): how many of the
+    #: key's tasks the broker's queue holds at most, so that the keys take turns.
+    queued: int | None = None
+
+    def over(self, other: KeyLimit) -> KeyLimit:
+        """This limit with ``other``'s values where ``other`` sets one."""
+        return KeyLimit(
+            self.running if other.running is None else other.running,
+            self.queued if other.queued is None else other.queued,
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        """The limits set, as the setting writes them."""
+        return {
+            name: value
+            for name, value in (("running", self.running), ("queued", self.queued))
+            if value is not None
+        }
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {v}" for n, v in self.as_dict().items()) or "none"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A flow's limits per key: one for every key, and others for keys that match."""
+
+    every: KeyLimit = KeyLimit()
+    #: ``(key or glob pattern, limit)``: the first that matches a key adds to
+    #: ``every`` (a premium tenant 10 running, the others 1).
+    keys: tuple[tuple[str, KeyLimit], ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.every != KeyLimit() or bool(self.keys)
+
+    @property
+    def counts_starts(self) -> bool:
+        """Whether any key's limit needs the worker's report of a start (``queued``)."""
+        return self.every.queued is not None or any(
+            limit.queued is not None for _, limit in self.keys
+        )
+
+    def of(self, key: str) -> KeyLimit:
+        """The limit of ``key``."""
+        for pattern, limit in self.keys:
+            if fnmatchcase(key, pattern):
+                return self.every.over(limit)
+        return self.every
+
+    def as_dict(self) -> dict[str, Any]:
+        """The limits as the setting writes them (``running``, ``queued``, ``keys``)."""
+        found: dict[str, Any] = dict(self.every.as_dict())
+        if self.keys:
+            found["keys"] = {pattern: limit.as_dict() for pattern, limit in self.keys}
+        return found
+
+    def text(self) -> str:
+        """JSON text of :meth:`as_dict`, as an operator's change is stored."""
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    def __str__(self) -> str:
+        parts = [str(self.every)] if self.every != KeyLimit() else []
+        parts += [f"{pattern}: {limit}" for pattern, limit in self.keys]
+        return "; ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
 class Flow:
-    """Tasks that share rates for the whole deployment, however many relays run."""
+    """Tasks that share limits for the whole deployment, however many relays run."""
 
     name: str
     #: Task names or glob patterns (``fnmatch``, case counts).
     tasks: tuple[str, ...]
-    rates: tuple[Rate, ...]
+    rates: tuple[Rate, ...] = ()
+    #: Limits per flow key (``flow_key=``); none: the rates alone.
+    limits: Limits = field(default_factory=Limits)
+    #: Seconds a key's slot stays taken without its worker's report.
+    lease: float = SLOT_LEASE
 
     def covers(self, task_name: str) -> bool:
         """Whether ``task_name`` is one of the flow's tasks."""
@@ -136,14 +229,18 @@ def parse_flows(value: Any) -> tuple[Flow, ...]:
 def _flow(name: str, entry: Any) -> Flow:
     if not isinstance(entry, Mapping):
         raise ValueError(
-            f"is a dict with the keys 'tasks' and 'rate' ({_EXAMPLE}), got {entry!r}"
+            f"is a dict with the key 'tasks' and a limit ('rate', 'running', "
+            f"'queued') ({_EXAMPLE}), got {entry!r}"
         )
     unknown = sorted(set(map(str, entry)) - set(FLOW_KEYS))
-    missing = [key for key in FLOW_KEYS if key not in entry]
-    if unknown or missing:
+    if unknown:
         raise ValueError(
-            f"takes the keys 'tasks' and 'rate' (unknown: {unknown}, missing: "
-            f"{missing}) ({_EXAMPLE})"
+            f"takes the keys {', '.join(FLOW_KEYS)}; unknown: {unknown} ({_EXAMPLE})"
+        )
+    if "tasks" not in entry or not any(key in entry for key in POLICY_KEYS):
+        raise ValueError(
+            f"needs 'tasks' and at least one limit: 'rate', 'running' or 'queued' "
+            f"({_EXAMPLE})"
         )
     tasks = entry["tasks"]
     if isinstance(tasks, str) or not isinstance(tasks, (list, tuple)) or not tasks:
@@ -158,7 +255,100 @@ def _flow(name: str, entry: Any) -> Flow:
             f"such as 'shop.sync_*'; regular expressions and other types are not "
             f"read): {bad!r}"
         )
-    return Flow(name, tuple(tasks), parse_rates(entry["rate"]))
+    rates = parse_rates(entry["rate"]) if "rate" in entry else ()
+    return Flow(
+        name,
+        tuple(tasks),
+        rates,
+        parse_limits(entry),
+        _lease(entry.get("lease", SLOT_LEASE)),
+    )
+
+
+def parse_limits(entry: Mapping[str, Any]) -> Limits:
+    """A flow's ``running``, ``queued`` and ``keys`` (any may be missing) as Limits.
+
+    Raises :class:`ValueError` saying what is wrong and what to write instead.
+    """
+    every = _key_limit(entry, "")
+    keys = entry.get("keys") or {}
+    if not isinstance(keys, Mapping):
+        raise ValueError(
+            f"'keys' is a dict of limits by flow key or glob pattern, e.g. "
+            f"{{'premium-*': {{'running': 10}}}}, got {keys!r}"
+        )
+    found = []
+    for pattern, limit in keys.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"'keys' is keyed by flow keys or glob patterns (texts such as "
+                f"'premium-*'), got {pattern!r}"
+            )
+        if not isinstance(limit, Mapping) or set(map(str, limit)) - set(LIMIT_KEYS):
+            raise ValueError(
+                f"'keys' {pattern!r}: a dict with 'running' and/or 'queued', e.g. "
+                f"{{'running': 10}}, got {limit!r}"
+            )
+        found.append((pattern, _key_limit(limit, f"'keys' {pattern!r}: ")))
+    return Limits(every, tuple(found))
+
+
+def _key_limit(entry: Mapping[str, Any], where: str) -> KeyLimit:
+    values: dict[str, int] = {}
+    for name in LIMIT_KEYS:
+        value = entry.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{where}'{name}' is a whole number of at least 1 (tasks of one key "
+                f"at once), got {value!r}; to stop a flow's tasks, use 'outbox "
+                f"tasks pause'"
+            )
+        values[name] = value
+    return KeyLimit(**values)
+
+
+def _lease(value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < 366 * 86400
+    ):
+        raise ValueError(
+            f"'lease' is the seconds a key's slot stays taken without its worker's "
+            f"report (e.g. 300, more than the longest run of the flow's tasks), "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
+def limits_in_force(flow: Flow, changed: str | None) -> Limits:
+    """An operator's limits (as stored, :meth:`Limits.text`) if any, else the flow's.
+
+    A stored text that no longer reads (edited by hand) is ignored: the settings'
+    limits hold.
+    """
+    if not changed:
+        return flow.limits
+    try:
+        found = json.loads(changed)
+        return parse_limits(found) if isinstance(found, Mapping) else flow.limits
+    except ValueError:
+        return flow.limits
+
+
+def check_key(value: Any, where: str) -> str:
+    """A call's ``flow_key`` as stored: a text of 1 to :data:`KEY_LIMIT` characters.
+
+    Raises :class:`ValueError` naming the mistake and the fix.
+    """
+    if not isinstance(value, str) or not value or len(value) > KEY_LIMIT:
+        raise ValueError(
+            f"{where}: flow_key must be a text of 1 to {KEY_LIMIT} characters (a "
+            f"tenant's id as str(), say), got {value!r}. Nothing was written."
+        )
+    return value
 
 
 @functools.lru_cache(maxsize=4096)
@@ -242,51 +432,137 @@ def _frees_in(use: Use) -> float:
 
 
 @dataclass(frozen=True)
+class KeyUse:
+    """A key's slots taken when a decision is made (every relay's, not expired)."""
+
+    #: Published and not finished.
+    running: int = 0
+    #: Published and not started (part of ``running``).
+    queued: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A claimed row of a flow, as its decision sees it."""
+
+    id: int
+    #: Its flow key (``flow_key=``); None: the key limits do not apply to it.
+    key: str | None
+    task_id: str = ""
+
+
+@dataclass(frozen=True)
+class ByKey:
+    """The rows of a flow its key limits let go, and those that wait for a slot."""
+
+    #: Rows free to go, round-robin between their keys (each key's in id order).
+    free: tuple[Candidate, ...]
+    #: Rows whose key is at a limit: they wait for a slot of their key.
+    waiting: tuple[Candidate, ...] = ()
+
+
+def by_key(
+    candidates: Sequence[Candidate], limits: Limits, uses: Mapping[str, KeyUse]
+) -> ByKey:
+    """Which of a flow's rows their keys' limits let go now; round-robin order.
+
+    A key's rows go while its running and queued counts (``uses``, plus the rows
+    this decision lets go) stay under its limits; the rest wait. The rows that go
+    are ordered key by key in turns (each key's first row, then each key's second
+    ...), so that a rate that takes only some of them shares its room between
+    the keys instead of giving it to the oldest key's backlog. Rows with no key
+    go first, in id order.
+    """
+    unkeyed: list[Candidate] = []
+    lanes: dict[str, list[Candidate]] = {}
+    waiting: list[Candidate] = []
+    for row in sorted(candidates, key=lambda c: c.id):
+        if row.key is None:
+            unkeyed.append(row)
+            continue
+        limit = limits.of(row.key)
+        use = uses.get(row.key, KeyUse())
+        taken = len(lanes.setdefault(row.key, []))
+        if (limit.running is not None and use.running + taken >= limit.running) or (
+            limit.queued is not None and use.queued + taken >= limit.queued
+        ):
+            waiting.append(row)
+            continue
+        lanes[row.key].append(row)
+    turns: list[Candidate] = []
+    depth = max((len(rows) for rows in lanes.values()), default=0)
+    for turn in range(depth):
+        turns.extend(rows[turn] for rows in lanes.values() if turn < len(rows))
+    return ByKey((*unkeyed, *turns), tuple(waiting))
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A flow's decision for the rows of one batch."""
+
+    #: What the rates let through of ``free``.
+    grant: Grant
+    #: The rows free to go, in the order the grant takes them (:func:`by_key`).
+    free: tuple[int, ...]
+    #: Rows put back to wait for a slot of their key (done by the store).
+    waiting: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Admission:
     """A gate's answer for a claimed batch: what goes now, what goes back and when."""
 
     admitted: tuple[StoredMessage, ...]
     #: Released rows (no attempt used), each due again after its delay.
     held: tuple[Decision, ...] = ()
+    #: Rows the gate put back itself (waiting for a slot of their key): the lane
+    #: settles nothing for them.
+    settled: tuple[int, ...] = ()
 
 
 def plan(
     messages: Sequence[StoredMessage],
     flow_name: Callable[[str], str | None],
-    grants: Mapping[str, Grant],
+    decisions: Mapping[str, Decided],
 ) -> Admission:
-    """Admit each flow's first ``granted`` rows (id order); hold the rest, paced.
+    """Admit each flow's first ``granted`` free rows; hold the rest, paced.
 
     The k-th held row of a flow is due again after ``wait + k * pace``: the rows come
-    back spread over the time the window frees, not all at once. A keyed row after
-    a held row of its key is held too (delay 0: the claim takes a key's rows in
-    order), so that holding never reorders a key.
+    back spread over the time the window frees, not all at once. A row waiting for
+    its key's slot was put back by the store. A row with an ordering key after a
+    held or waiting row of that key is held too (delay 0: the claim takes a key's
+    rows in order), so that holding never reorders a key.
     """
-    taken: dict[str, int] = {}
+    go: set[int] = set()
+    late: dict[int, Decision] = {}
+    settled: set[int] = set()
+    for name, decided in decisions.items():
+        found = decided.grant
+        go.update(decided.free[: found.granted])
+        for index, row_id in enumerate(decided.free[found.granted :]):
+            delay = found.wait + index * found.pace
+            late[row_id] = Decision(row_id, Action.RELEASE, delay, _held(name, found))
+        settled.update(decided.waiting)
     held: list[Decision] = []
     stopped: set[str] = set()
     admitted: list[StoredMessage] = []
     for message in sorted(messages, key=lambda m: m.id):
         key = message.envelope.ordering_key
-        name = flow_name(message.envelope.task_name)
+        if message.id in settled:
+            if key is not None:
+                stopped.add(key)
+            continue
         if key is not None and key in stopped:
             held.append(Decision(message.id, Action.RELEASE, 0.0, _behind(key)))
             continue
-        if name is not None:
-            found = grants[name]
-            done = taken.get(name, 0)
-            taken[name] = done + 1
-            if done >= found.granted:
-                late = done - found.granted
-                delay = found.wait + late * found.pace
-                held.append(
-                    Decision(message.id, Action.RELEASE, delay, _held(name, found))
-                )
-                if key is not None:
-                    stopped.add(key)
-                continue
-        admitted.append(message)
-    return Admission(tuple(admitted), tuple(held))
+        if message.id in late:
+            held.append(late[message.id])
+            if key is not None:
+                stopped.add(key)
+            continue
+        if flow_name(message.envelope.task_name) is None or message.id in go:
+            admitted.append(message)
+    return Admission(tuple(admitted), tuple(held), tuple(sorted(settled)))
 
 
 def _held(name: str, found: Grant) -> str:
@@ -311,6 +587,16 @@ class FlowStats:
     waiting: int
     #: Publishes recorded in the last 60 seconds, all relays together.
     published_last_minute: int
+    #: The limits per key in force: an operator's change, else the settings'.
+    limits: Limits = field(default_factory=Limits)
+    #: Whether ``limits`` is an operator's change (``outbox flows limit``).
+    limits_changed: bool = False
+    #: Slots taken, all keys: published and not finished.
+    running: int = 0
+    #: Of those, published and not started.
+    queued: int = 0
+    #: The busiest keys: most running, then most waiting.
+    keys: tuple[KeyStats, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The stats as JSON-ready values."""
@@ -319,8 +605,38 @@ class FlowStats:
             "tasks": list(self.tasks),
             "rates": [str(rate) for rate in self.rates],
             "changed": self.changed,
+            "limits": self.limits.as_dict(),
+            "limits_changed": self.limits_changed,
             "waiting": self.waiting,
             "published_last_minute": self.published_last_minute,
+            "running": self.running,
+            "queued": self.queued,
+            "keys": [key.as_dict() for key in self.keys],
+        }
+
+
+@dataclass(frozen=True)
+class KeyStats:
+    """One flow key as an operator sees it."""
+
+    key: str
+    #: Published and not finished (its slots).
+    running: int
+    #: Published and not started.
+    queued: int
+    #: Rows put back to wait for a slot of the key.
+    waiting: int
+    #: The key's limits in force.
+    limit: KeyLimit
+
+    def as_dict(self) -> dict[str, Any]:
+        """The stats as JSON-ready values."""
+        return {
+            "key": self.key,
+            "running": self.running,
+            "queued": self.queued,
+            "waiting": self.waiting,
+            "limit": self.limit.as_dict(),
         }
 
 

@@ -1,20 +1,22 @@
-"""The flow gate: a claimed batch's rows of each flow, as many as its rates allow.
+"""The flow gate: a claimed batch's rows of each flow, as many as its limits allow.
 
 Rows of no flow go through without a query. For each flow with rows in the batch,
-one reservation (:meth:`~celery_outbox.store.protocol.FlowStore.reserve`) decides
-and records how many may go; :func:`~.core.plan` picks them and paces the rest.
+one transaction decides and records how many may go: a reservation of the rates
+(:meth:`~celery_outbox.store.protocol.FlowStore.reserve`), or, for a flow with
+limits per key, a decision (:meth:`~celery_outbox.store.protocol.FlowStore.decide`)
+that also takes the keys' slots and puts back the rows whose key is at a limit.
+:func:`~.core.plan` picks the rows that go and paces the rest.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 from ..conf import OutboxSettings
 from ..engine.gate import OPEN, Gate
 from ..envelope import StoredMessage
 from ..store.protocol import FlowStore
-from .core import Admission, Flow, flow_of, plan
+from .core import KEY_HEADER, Admission, Candidate, Decided, Flow, flow_of, plan
 
 
 class FlowGate:
@@ -30,22 +32,36 @@ class FlowGate:
         found = flow_of(self.flows, task_name)
         return None if found is None else found.name
 
-    def admit(self, messages: Sequence[StoredMessage]) -> Admission:
-        """The rows the flows let through now; the rest released, paced."""
-        wanted = Counter(
-            name
-            for name in (self.flow_name(m.envelope.task_name) for m in messages)
-            if name is not None
-        )
+    def admit(self, messages: Sequence[StoredMessage], token: str = "") -> Admission:
+        """The rows the flows let through now; the rest released, paced, or put
+        back (under the claim's ``token``) to wait for a slot of their key."""
+        wanted: dict[str, list[Candidate]] = {}
+        for message in messages:
+            name = self.flow_name(message.envelope.task_name)
+            if name is not None:
+                wanted.setdefault(name, []).append(candidate(message))
         if not wanted:
             return Admission(tuple(messages))
         # One transaction per flow, in name order, each short: no relay holds one
         # flow's lock while it waits for another's.
-        grants = {
-            name: self.store.reserve(self._by_name[name], count)
-            for name, count in sorted(wanted.items())
-        }
-        return plan(messages, self.flow_name, grants)
+        decisions: dict[str, Decided] = {}
+        for name, rows in sorted(wanted.items()):
+            flow = self._by_name[name]
+            if flow.limits and token:
+                decisions[name] = self.store.decide(flow, rows, token)
+            else:
+                found = self.store.reserve(flow, len(rows))
+                decisions[name] = Decided(found, tuple(c.id for c in rows))
+        return plan(messages, self.flow_name, decisions)
+
+
+def candidate(message: StoredMessage) -> Candidate:
+    """A claimed row as a flow's decision sees it: its id, flow key and task id."""
+    envelope = message.envelope
+    key = envelope.headers.get(KEY_HEADER)
+    return Candidate(
+        message.id, key if isinstance(key, str) and key else None, envelope.task_id
+    )
 
 
 def gate_for(settings: OutboxSettings, store: FlowStore) -> Gate:

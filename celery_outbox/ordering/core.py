@@ -104,7 +104,7 @@ def superseded(
 class Ending(enum.Enum):
     """How Celery ended one delivery of a task, as its worker's signals tell it.
 
-    :mod:`celery_outbox.ordering.endings` turns each signal into one of these; the
+    :mod:`celery_outbox.engine.endings` turns each signal into one of these; the
     table of which signal says what, in which process and Celery version, is there.
     """
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore
 
 from ..deprecation import deprecated
-from .endings import Replaced, strict_headers
+from ..engine.endings import Replaced, watched_headers
+from .options import is_strict
 
 #: Task attributes that become call options when the call has a key.
 DEFAULTS = ("ordering", "ordering_policy", "coalesce")
@@ -58,8 +59,12 @@ class OrderingMixin(_Base):
         stays held until the work the head handed on is done. The head itself
         ends with :class:`~.endings.Replaced` (an ``Ignore``).
         """
-        headers = strict_headers(self.request)
-        if headers is None or not _carry(sig, str(self.request.id), headers):
+        headers = watched_headers(self.request)
+        if (
+            headers is None
+            or not is_strict(headers)
+            or not _carry(sig, str(self.request.id), headers)
+        ):
             return super().on_replace(sig)
         try:
             return super().on_replace(sig)

@@ -1,72 +1,53 @@
 """The worker's side of strict ordering: settle a strict head when its task ended.
 
 A strict head stays in the outbox, running, after it was published; the next row
-of its key waits for it. :mod:`.endings` connects Celery's signals (in the pool's
+of its key waits for it. :mod:`celery_outbox.engine.endings` connects Celery's signals (in the pool's
 child and in the worker's main process) and tells :func:`report` each way a strict
 task ended; :func:`~.core.report_for` says what becomes of its row: it goes (and on
 PostgreSQL the relay is woken at once), it stays held while the task runs again,
 it is published again now (its worker process died), or the key's policy applies
 (block it, or dead-letter the head and go on).
 
-The reports are written by a thread of the process that heard of the ending
-(:class:`Reporter`), on a database connection of that thread: the task's process
-goes on to its next task at once, and Celery's Django fix-up, which closes the task
-thread's connections before and after every task, leaves the reporter's open.
-Before, each report opened a connection and waited for its commit, which cost a
-strict task more than its body. Nothing is published on a report's strength before
-it is committed, so order holds; a report still queued when its process is killed
-is lost like the report of a task killed with its worker: the head is published
-again once its running lease (``CELERY_OUTBOX_STRICT_LEASE_SECONDS``, counted from
-the publish) is over.
+The reports are written by the process's reporter thread
+(:mod:`celery_outbox.engine.reports`). Nothing is published on a report's strength
+before it is committed, so order holds; a report still queued when its process is
+killed is lost like the report of a task killed with its worker: the head is
+published again once its running lease (``CELERY_OUTBOX_STRICT_LEASE_SECONDS``,
+counted from the publish) is over.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 from collections.abc import Callable
-from typing import Any
-
-from celery.signals import worker_process_shutdown, worker_shutdown
-from django.db import connections
 
 from ..conf import get_settings
+from ..engine import endings, reports
+from ..engine.endings import TaskEnd
+from ..engine.reports import REPORTER
 from ..exceptions import OutboxDatabaseError
-from ..store import OrderingStore, Stores, outbox_alias
-from . import endings
+from ..store import OrderingStore
 from .core import Report, report_for
-from .endings import TaskEnd
-from .options import Ordering
+from .options import Ordering, is_strict
 
 logger = logging.getLogger("celery_outbox.ordering")
-
-#: How long a worker process, as it ends, waits for its reports to be written.
-SHUTDOWN_SECONDS = 10.0
 
 
 def install() -> None:
     """Connect the reporting receivers once per process (idempotent)."""
     endings.install(report)
-    # A prefork pool's process sends the first, the worker (solo, threads, and the
-    # prefork pool's main process, which reports revokes and time limits) the second.
-    for ending in (worker_process_shutdown, worker_shutdown):
-        ending.connect(
-            _stop_reporter, weak=False, dispatch_uid="celery_outbox.strict.stop"
-        )
-
-
-def wait_for_reports(timeout: float = SHUTDOWN_SECONDS) -> bool:
-    """Block until this process's reports so far are written; False on timeout."""
-    return REPORTER.wait(timeout)
+    reports.install()
 
 
 def report(end: TaskEnd) -> None:
     """Queue the settlement of a strict head whose task ended (``end``)."""
+    if not is_strict(end.headers):
+        return  # a flow key's task: celery_outbox.flow.worker reports it
     try:
         write = settlement(end, Ordering.read("", end.headers))
-        REPORTER.send(write, end.task_id, end.ending.value)
+        REPORTER.send(
+            lambda stores: write(stores.ordering()), end.task_id, end.ending.value
+        )
     except Exception:
         # The lease stays the safety net: the head is published again after it.
         logger.exception(
@@ -104,118 +85,3 @@ def _failed(store: OrderingStore, end: TaskEnd, ordering: Ordering) -> int:
         store.reset_connection()
         note = f"{end.kind or 'failure'} (its text could not be recorded: {refused})"
         return store.task_failed(end.task_id, note, ordering.policy, ordering.row_token)
-
-
-# -- the reporter thread -----------------------------------------------------------
-
-#: One report: what it writes, on which alias, and the task id and state it is for.
-_Report = tuple[Callable[[OrderingStore], int], str, str, str]
-#: What the reporter's queue carries: a report, a marker to set once every report
-#: before it is written, or None to end the thread.
-_Item = _Report | threading.Event | None
-
-
-class Reporter:
-    """Writes one process's strict reports, in order, from a thread of its own.
-
-    Started by the first report of a process (again after a fork: a thread does
-    not survive one). A report that fails is sent once more on a new connection
-    (the kept one may have gone with a database restart; the statements are
-    idempotent), then logged: the lease stays the safety net.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Item] | None = None
-        self._pid = 0
-
-    def send(
-        self, write: Callable[[OrderingStore], int], task_id: str, state: str
-    ) -> None:
-        """Queue one report; it is written after those queued before it.
-
-        The outbox alias is resolved here, in the task's thread (a router may
-        depend on that thread's state), and the report written on it.
-        """
-        alias = outbox_alias(get_settings())
-        self._running().put((write, alias, task_id, state))
-
-    def wait(self, timeout: float) -> bool:
-        """Until the reports queued so far are written (True), or ``timeout`` passed."""
-        with self._lock:
-            found = self._queue if self._pid == os.getpid() else None
-        if found is None:
-            return True
-        written = threading.Event()
-        found.put(written)
-        return written.wait(timeout)
-
-    def stop(self, timeout: float) -> bool:
-        """Write what is queued (up to ``timeout``), then end the thread."""
-        written = self.wait(timeout)
-        with self._lock:
-            found, self._queue = self._queue, None
-            mine = self._pid == os.getpid()
-        if found is not None and mine:
-            found.put(None)
-        return written
-
-    def _running(self) -> queue.SimpleQueue[_Item]:
-        with self._lock:
-            if self._queue is None or self._pid != os.getpid():
-                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(
-                    target=self._run,
-                    args=(self._queue,),
-                    name="celery-outbox-strict-reports",
-                    daemon=True,
-                ).start()
-            return self._queue
-
-    def _run(self, items: queue.SimpleQueue[_Item]) -> None:
-        try:
-            while True:
-                item = items.get()
-                if item is None:
-                    return
-                if isinstance(item, threading.Event):
-                    item.set()
-                    continue
-                self._write(*item)
-        finally:
-            connections.close_all()  # this thread's own
-
-    def _write(
-        self,
-        write: Callable[[OrderingStore], int],
-        alias: str,
-        task_id: str,
-        state: str,
-    ) -> None:
-        store = Stores(alias).ordering()
-        try:
-            try:
-                write(store)
-            except OutboxDatabaseError:
-                store.reset_connection()
-                write(store)
-        except Exception:
-            logger.exception(
-                "strict ordering: cannot report task %s (%s); it runs again once "
-                "its lease is over",
-                task_id,
-                state,
-            )
-
-
-#: The reporter of this process.
-REPORTER = Reporter()
-
-
-def _stop_reporter(**_: Any) -> None:
-    if not REPORTER.stop(SHUTDOWN_SECONDS):
-        logger.warning(
-            "strict ordering: reports not written within %.0f s of the shutdown; "
-            "their tasks run again once their leases are over",
-            SHUTDOWN_SECONDS,
-        )

@@ -240,7 +240,7 @@ class Relay:
         """Ask the gate, publish what it admits, decide, settle and report
         :class:`BatchSettled`; the rows the gate holds back are released with it."""
         try:
-            admission = self.gate.admit(claim.messages)
+            admission = self.gate.admit(claim.messages, claim.token)
         except OutboxDatabaseError as exc:
             # The rows come back after the pause, unsent. A flow decided before the
             # error keeps its record: it can only count too many, never too few.

@@ -23,6 +23,7 @@ DEDUP_TABLE = "celery_outbox_dedup_key"
 HISTORY_TABLE = "celery_outbox_history"
 FLOW_TABLE = "celery_outbox_flow"
 FLOW_RECORD_TABLE = "celery_outbox_flow_record"
+FLOW_SLOT_TABLE = "celery_outbox_flow_slot"
 #: Every table the ``celery_outbox`` migrations make.
 TABLES = (
     MESSAGE_TABLE,

@@ -16,21 +16,43 @@ from typing import Any
 from django.db import transaction
 
 from ..flow.core import (
+    Candidate,
+    Decided,
     Flow,
     FlowStats,
     Grant,
+    KeyStats,
+    KeyUse,
+    Limits,
     Rate,
     Use,
+    by_key,
     flow_of,
     grant,
+    limits_in_force,
     rates_in_force,
     rates_text,
 )
+from ..states import PARKED
 from .base import StoreBase
-from .dialects import FLOW_RECORD_TABLE, FLOW_TABLE, MESSAGE_TABLE
+from .dialects import (
+    FLOW_RECORD_TABLE,
+    FLOW_SLOT_TABLE,
+    FLOW_TABLE,
+    MESSAGE_TABLE,
+    placeholders,
+)
+from .notify import CHANNEL
 
 #: The window of ``published_last_minute``.
 MINUTE = 60.0
+#: The busiest keys ``outbox flows stats`` shows per flow.
+TOP_KEYS = 10
+
+
+def waiting_reason(flow: str, key: str) -> str:
+    """The ``last_error`` of a row put back to wait for a slot of its key."""
+    return f"waiting for a slot of key {key!r} in flow {flow!r}"
 
 
 class FlowQueries(StoreBase):
@@ -38,35 +60,232 @@ class FlowQueries(StoreBase):
 
     def reserve(self, flow: Flow, wanted: int) -> Grant:
         """Grant up to ``wanted`` publishes of ``flow`` now, and record them."""
-        dialect = self.dialect
         with (
             self._translated(),
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            changed, paced_for = self._lock(cursor, flow.name)
-            rates = rates_in_force(flow, changed)
-            uses = self._uses(cursor, flow.name, rates)
-            granted = grant(uses, wanted, paced_for)
-            if granted.held:
-                paced_sql, paced_params = dialect.after(granted.paced_for, clock=True)
-                cursor.execute(
-                    f"UPDATE {FLOW_TABLE} SET paced_until = {paced_sql} WHERE name = %s",
-                    [*paced_params, flow.name],
-                )
-            if granted.granted:
-                cursor.execute(
-                    f"INSERT INTO {FLOW_RECORD_TABLE} (flow, at, tasks) "
-                    f"VALUES (%s, {dialect.clock()}, %s)",
-                    [flow.name, granted.granted],
-                )
-            longest = max(r.seconds for r in (*rates, *flow.rates))
-            before_sql, before_params = dialect.after(-longest, clock=True)
+            changed, paced_for, _ = self._lock(cursor, flow.name)
+            return self._grant(cursor, flow, changed, paced_for, wanted)
+
+    def decide(
+        self, flow: Flow, candidates: Sequence[Candidate], token: str
+    ) -> Decided:
+        """Decide for a batch's rows of ``flow`` (claimed under ``token``): their
+        keys' limits, then the rates; take a slot for each row that goes, and put
+        the rows whose key is at a limit back to wait for a slot, in this
+        transaction, so that a worker's report that frees a slot finds them."""
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            changed, paced_for, stored = self._lock(cursor, flow.name)
+            limits = limits_in_force(flow, stored)
+            keys = sorted({c.key for c in candidates if c.key is not None})
+            uses = self._key_uses(cursor, flow.name, keys) if limits and keys else {}
+            found = by_key(candidates, limits, uses) if limits else None
+            free = found.free if found is not None else tuple(candidates)
+            granted = self._grant(cursor, flow, changed, paced_for, len(free))
+            going = [c for c in free[: granted.granted] if c.key is not None]
+            if limits and going:
+                self._take_slots(cursor, flow, going)
+            waiting = found.waiting if found is not None else ()
+            if waiting:
+                self._park(cursor, flow.name, waiting, token, flow.lease)
+        return Decided(granted, tuple(c.id for c in free), tuple(c.id for c in waiting))
+
+    def task_started(self, flow: Flow, key: str, task_id: str) -> int:
+        """A task of ``key`` started on a worker: its slot no longer counts as
+        queued (made again if it had expired or was freed: it runs), and with a
+        ``queued`` limit one waiting row of the key is woken."""
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            self._lock(cursor, flow.name)
             cursor.execute(
-                f"DELETE FROM {FLOW_RECORD_TABLE} WHERE flow = %s AND at <= {before_sql}",
-                [flow.name, *before_params],
+                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s WHERE flow = %s AND "
+                f"task_id = %s",
+                [True, flow.name, task_id],
             )
+            if not cursor.rowcount:
+                self._take_slots(
+                    cursor, flow, [Candidate(0, key, task_id)], started=True
+                )
+                return 0
+            limits = limits_in_force(flow, self._stored_limits(cursor, flow.name))
+            if limits.of(key).queued is None:
+                return 0
+            return self._wake(cursor, key, 1)
+
+    def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
+        """A task of ``key`` ended (however: done, failed, retried, revoked, lost):
+        its slot frees, and a row of the key that waited for it is woken."""
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            self._lock(cursor, flow.name)
+            cursor.execute(
+                f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND task_id = %s",
+                [flow.name, task_id],
+            )
+            freed = int(cursor.rowcount)
+            return self._wake(cursor, key, max(freed, 1))
+
+    def set_limits(self, name: str, limits: Limits | None) -> None:
+        """Put ``limits`` in force for the flow ``name`` at once, on every relay;
+        None goes back to the settings' limits. Waiting rows are woken: a raised
+        limit takes them at the next decision."""
+        text = limits.text() if limits is not None else None
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            self._lock(cursor, name)
+            cursor.execute(
+                f"UPDATE {FLOW_TABLE} SET limits = %s, changed_at = "
+                f"{self.dialect.now()} WHERE name = %s",
+                [text, name],
+            )
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET state = NULL, flow_key = NULL, "
+                f"available_at = {self.dialect.now()} WHERE state = '{PARKED}'",
+                [],
+            )
+            self._notify(cursor, int(cursor.rowcount))
+
+    def _grant(
+        self,
+        cursor: Any,
+        flow: Flow,
+        changed: str | None,
+        paced_for: float,
+        wanted: int,
+    ) -> Grant:
+        """The rates' grant of ``wanted`` (all of it with no rate), recorded."""
+        dialect = self.dialect
+        rates = rates_in_force(flow, changed)
+        uses = self._uses(cursor, flow.name, rates) if rates else []
+        granted = grant(uses, wanted, paced_for)
+        if granted.held:
+            paced_sql, paced_params = dialect.after(granted.paced_for, clock=True)
+            cursor.execute(
+                f"UPDATE {FLOW_TABLE} SET paced_until = {paced_sql} WHERE name = %s",
+                [*paced_params, flow.name],
+            )
+        if granted.granted:
+            cursor.execute(
+                f"INSERT INTO {FLOW_RECORD_TABLE} (flow, at, tasks) "
+                f"VALUES (%s, {dialect.clock()}, %s)",
+                [flow.name, granted.granted],
+            )
+        # Kept a minute at least: the stats' publishes of the last minute.
+        longest = max((r.seconds for r in (*rates, *flow.rates)), default=0.0)
+        before_sql, before_params = dialect.after(-max(longest, MINUTE), clock=True)
+        cursor.execute(
+            f"DELETE FROM {FLOW_RECORD_TABLE} WHERE flow = %s AND at <= {before_sql}",
+            [flow.name, *before_params],
+        )
         return granted
+
+    def _key_uses(
+        self, cursor: Any, name: str, keys: Sequence[str]
+    ) -> dict[str, KeyUse]:
+        """The slots each of ``keys`` holds; expired slots of the flow deleted first."""
+        now = self.dialect.now()
+        cursor.execute(
+            f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND expires_at <= {now}",
+            [name],
+        )
+        cursor.execute(
+            f"SELECT flow_key, COUNT(*), SUM(CASE WHEN started = %s THEN 0 ELSE 1 END) "
+            f"FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND flow_key IN "
+            f"({placeholders(keys)}) GROUP BY flow_key",
+            [True, name, *keys],
+        )
+        return {
+            str(key): KeyUse(int(running), int(queued or 0))
+            for key, running, queued in cursor.fetchall()
+        }
+
+    def _take_slots(
+        self,
+        cursor: Any,
+        flow: Flow,
+        going: Sequence[Candidate],
+        *,
+        started: bool = False,
+    ) -> None:
+        """A slot for each row that goes (one per task id: a row published again
+        takes its own slot again, not a second one)."""
+        task_ids = [c.task_id for c in going]
+        cursor.execute(
+            f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND task_id IN "
+            f"({placeholders(task_ids)})",
+            [flow.name, *task_ids],
+        )
+        until_sql, until_params = self.dialect.after(flow.lease)
+        values = ", ".join([f"(%s, %s, %s, %s, {until_sql})"] * len(going))
+        params: list[Any] = []
+        for c in going:
+            params.extend([flow.name, c.key, c.task_id, started, *until_params])
+        cursor.execute(
+            f"INSERT INTO {FLOW_SLOT_TABLE} (flow, flow_key, task_id, started, expires_at) "
+            f"VALUES {values}",
+            params,
+        )
+
+    def _park(
+        self,
+        cursor: Any,
+        name: str,
+        waiting: Sequence[Candidate],
+        token: str,
+        lease: float,
+    ) -> None:
+        """Put rows back (this claim's: fenced by ``token``) to wait for a slot of
+        their key: a report wakes them; without one they come back after the lease."""
+        after_sql, after_params = self.dialect.after(lease)
+        by_key: dict[str, list[int]] = {}
+        for c in waiting:
+            by_key.setdefault(str(c.key), []).append(c.id)
+        for key, ids in sorted(by_key.items()):
+            cursor.execute(
+                f"UPDATE {MESSAGE_TABLE} SET state = '{PARKED}', flow_key = %s, "
+                f"last_error = %s, available_at = {after_sql}, lease_token = NULL, "
+                f"holder = NULL WHERE lease_token = %s AND id IN ({placeholders(ids)})",
+                [key, waiting_reason(name, key), *after_params, token, *ids],
+            )
+
+    def _wake(self, cursor: Any, key: str, count: int) -> int:
+        """Make the first ``count`` rows waiting for a slot of ``key`` due now."""
+        cursor.execute(
+            f"SELECT id FROM {MESSAGE_TABLE} WHERE flow_key = %s AND state = "
+            f"'{PARKED}' ORDER BY id LIMIT %s{self._for_update()}",
+            [key, count],
+        )
+        ids = [int(row[0]) for row in cursor.fetchall()]
+        if not ids:
+            return 0
+        cursor.execute(
+            f"UPDATE {MESSAGE_TABLE} SET state = NULL, flow_key = NULL, available_at "
+            f"= {self.dialect.now()} WHERE id IN ({placeholders(ids)}) AND state = "
+            f"'{PARKED}'",
+            ids,
+        )
+        woken = int(cursor.rowcount)
+        self._notify(cursor, woken)
+        return woken
+
+    def _notify(self, cursor: Any, changed: int) -> None:
+        """On PostgreSQL, wake listening relays at commit: rows are due."""
+        if changed and self.dialect.notifies:
+            cursor.execute(f"SELECT pg_notify('{CHANNEL}', '')", [])
 
     def set_rates(self, name: str, rates: Sequence[Rate] | None) -> None:
         """Put ``rates`` in force for the flow ``name`` at once, on every relay;
@@ -78,7 +297,7 @@ class FlowQueries(StoreBase):
             self.connection.cursor() as cursor,
         ):
             self._lock(cursor, name)
-            # The rows held so far keep their slots; the next ones pace at the new rate.
+            # The rows held so far keep their places; the next ones pace at the new rate.
             cursor.execute(
                 f"UPDATE {FLOW_TABLE} SET rates = %s, changed_at = "
                 f"{self.dialect.now()} WHERE name = %s",
@@ -86,13 +305,17 @@ class FlowQueries(StoreBase):
             )
 
     def flow_stats(self, flows: Sequence[Flow]) -> tuple[FlowStats, ...]:
-        """Each flow's rows waiting, its publishes of the last minute, its rates."""
+        """Each flow's rows waiting, its publishes of the last minute, its limits,
+        its running tasks and its busiest keys."""
         if not flows:
             return ()
         since_sql, since_params = self.dialect.after(-MINUTE, clock=True)
+        now = self.dialect.now()
         with self._translated(), self.connection.cursor() as cursor:
-            cursor.execute(f"SELECT name, rates FROM {FLOW_TABLE}", [])
-            changed = {str(name): rates for name, rates in cursor.fetchall()}
+            cursor.execute(f"SELECT name, rates, limits FROM {FLOW_TABLE}", [])
+            rows = cursor.fetchall()
+            changed = {str(name): rates for name, rates, _ in rows}
+            limits = {str(name): stored for name, _, stored in rows}
             cursor.execute(
                 f"SELECT flow, SUM(tasks) FROM {FLOW_RECORD_TABLE} "
                 f"WHERE at > {since_sql} GROUP BY flow",
@@ -104,11 +327,33 @@ class FlowQueries(StoreBase):
                 [],
             )
             by_task = [(str(name), int(count)) for name, count in cursor.fetchall()]
-        return flow_stats(flows, changed, recent, by_task)
+            cursor.execute(
+                f"SELECT flow, flow_key, COUNT(*), SUM(CASE WHEN started = %s THEN 0 "
+                f"ELSE 1 END) FROM {FLOW_SLOT_TABLE} WHERE expires_at > {now} "
+                f"GROUP BY flow, flow_key",
+                [True],
+            )
+            slots = [
+                (str(f), str(k), int(n), int(q or 0))
+                for f, k, n, q in cursor.fetchall()
+            ]
+            cursor.execute(
+                f"SELECT task_name, flow_key, COUNT(*) FROM {MESSAGE_TABLE} WHERE "
+                f"state = '{PARKED}' GROUP BY task_name, flow_key",
+                [],
+            )
+            parked = [(str(t), str(k), int(n)) for t, k, n in cursor.fetchall()]
+        return flow_stats(flows, changed, recent, by_task, limits, slots, parked)
 
-    def _lock(self, cursor: Any, name: str) -> tuple[str | None, float]:
-        """Lock the flow's row (made if missing); the operator's rates it holds, and
-        the seconds until the slots of the rows held so far are taken.
+    def _stored_limits(self, cursor: Any, name: str) -> str | None:
+        cursor.execute(f"SELECT limits FROM {FLOW_TABLE} WHERE name = %s", [name])
+        row = cursor.fetchone()
+        return None if row is None or row[0] is None else str(row[0])
+
+    def _lock(self, cursor: Any, name: str) -> tuple[str | None, float, str | None]:
+        """Lock the flow's row (made if missing); the operator's rates it holds, the
+        seconds until the slots of the rows held so far are taken, and the
+        operator's limits.
 
         An UPDATE locks on every vendor: the row on PostgreSQL and MySQL, the
         database's one writer on SQLite (where a SELECT ... FOR UPDATE does not
@@ -120,12 +365,14 @@ class FlowQueries(StoreBase):
             )
             age = self.dialect.age_seconds("paced_until", clock=True)
             cursor.execute(
-                f"SELECT rates, {age} FROM {FLOW_TABLE} WHERE name = %s", [name]
+                f"SELECT rates, {age}, limits FROM {FLOW_TABLE} WHERE name = %s",
+                [name],
             )
             row = cursor.fetchone()
             if row is not None:
                 rates = None if row[0] is None else str(row[0])
-                return rates, 0.0 if row[1] is None else -float(row[1])
+                limits = None if row[2] is None else str(row[2])
+                return rates, 0.0 if row[1] is None else -float(row[1]), limits
             cursor.execute(
                 self.dialect.insert_missing(FLOW_TABLE, "name", ("name", "rates")),
                 [name, None],
@@ -170,23 +417,50 @@ def flow_stats(
     changed: dict[str, str | None],
     recent: dict[str, int],
     by_task: Sequence[tuple[str, int]],
+    limits: dict[str, str | None] | None = None,
+    slots: Sequence[tuple[str, str, int, int]] = (),
+    parked: Sequence[tuple[str, str, int]] = (),
 ) -> tuple[FlowStats, ...]:
-    """The stats of ``flows`` from the operator's rates by flow, the publishes of
-    the last minute by flow and the outbox's rows by task name."""
+    """The stats of ``flows`` from the operator's rates and limits by flow, the
+    publishes of the last minute by flow, the outbox's rows by task name, the
+    slots ``(flow, key, running, queued)`` and the waiting rows ``(task name,
+    key, rows)``."""
+    limits = limits or {}
     waiting = dict.fromkeys((flow.name for flow in flows), 0)
     every = tuple(flows)
     for task_name, count in by_task:
         found = flow_of(every, task_name)
         if found is not None:
             waiting[found.name] += count
-    return tuple(
-        FlowStats(
-            flow.name,
-            flow.tasks,
-            rates_in_force(flow, changed.get(flow.name)),
-            bool(changed.get(flow.name)),
-            waiting[flow.name],
-            recent.get(flow.name, 0),
+    keys: dict[str, dict[str, list[int]]] = {flow.name: {} for flow in flows}
+    for name, key, running, queued in slots:
+        if name in keys:
+            keys[name].setdefault(key, [0, 0, 0])[:2] = [running, queued]
+    for task_name, key, count in parked:
+        found = flow_of(every, task_name)
+        if found is not None:
+            keys[found.name].setdefault(key, [0, 0, 0])[2] += count
+    stats = []
+    for flow in flows:
+        in_force = limits_in_force(flow, limits.get(flow.name))
+        by_key_ = keys[flow.name]
+        busiest = sorted(by_key_.items(), key=lambda kv: (-kv[1][0], -kv[1][2], kv[0]))
+        stats.append(
+            FlowStats(
+                flow.name,
+                flow.tasks,
+                rates_in_force(flow, changed.get(flow.name)),
+                bool(changed.get(flow.name)),
+                waiting[flow.name],
+                recent.get(flow.name, 0),
+                in_force,
+                bool(limits.get(flow.name)),
+                sum(v[0] for v in by_key_.values()),
+                sum(v[1] for v in by_key_.values()),
+                tuple(
+                    KeyStats(key, r, q, w, in_force.of(key))
+                    for key, (r, q, w) in busiest[:TOP_KEYS]
+                ),
+            )
         )
-        for flow in flows
-    )
+    return tuple(stats)

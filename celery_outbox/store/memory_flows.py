@@ -8,6 +8,7 @@ test moves through windows without sleeping. Given the in-memory outbox's
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -15,17 +16,30 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..flow.core import (
+    Candidate,
+    Decided,
     Flow,
     FlowStats,
     Grant,
+    KeyUse,
+    Limits,
     Rate,
+    by_key,
     grant,
+    limits_in_force,
     rates_in_force,
     rates_text,
     use_of,
 )
-from .flows import MINUTE, flow_stats
+from .flows import MINUTE, flow_stats, waiting_reason
 from .memory import Tables
+
+
+@dataclasses.dataclass
+class _Slot:
+    key: str
+    started: bool
+    expires_at: float
 
 
 class InMemoryFlows:
@@ -48,23 +62,124 @@ class InMemoryFlows:
         self.records: dict[str, list[tuple[float, int]]] = {}
         #: When the slots of the rows held so far are taken, by flow name.
         self.paced_until: dict[str, float] = {}
+        #: Operator's limits by flow name (``Limits.text``).
+        self.limits: dict[str, str | None] = {}
+        #: Slots by flow name, by task id.
+        self.slots: dict[str, dict[str, _Slot]] = {}
+        #: Parked rows: (row id, task name) by flow key, oldest first.
+        self.parked: dict[str, list[tuple[int, str]]] = {}
 
     def reserve(self, flow: Flow, wanted: int) -> Grant:
         """Grant up to ``wanted`` publishes of ``flow`` now, and record them."""
         with self._lock:
+            return self._grant(flow, wanted, self.clock())
+
+    def decide(
+        self, flow: Flow, candidates: Sequence[Candidate], token: str
+    ) -> Decided:
+        """The keys' limits, then the rates; slots taken, waiting rows parked."""
+        with self._lock:
             now = self.clock()
-            rates = rates_in_force(flow, self.changed.get(flow.name))
-            records = self.records.setdefault(flow.name, [])
-            uses = [use_of(records, rate, now) for rate in rates]
-            paced_for = self.paced_until.get(flow.name, now) - now
-            granted = grant(uses, wanted, paced_for)
-            if granted.held:
-                self.paced_until[flow.name] = now + granted.paced_for
-            if granted.granted:
-                records.append((now, granted.granted))
-            longest = max(r.seconds for r in (*rates, *flow.rates))
-            records[:] = [(at, n) for at, n in records if at > now - longest]
+            limits = limits_in_force(flow, self.limits.get(flow.name))
+            slots = self.slots.setdefault(flow.name, {})
+            for task_id in [t for t, s in slots.items() if s.expires_at <= now]:
+                del slots[task_id]
+            uses: dict[str, KeyUse] = {}
+            for slot in slots.values():
+                use = uses.get(slot.key, KeyUse())
+                uses[slot.key] = KeyUse(
+                    use.running + 1, use.queued + (not slot.started)
+                )
+            found = by_key(candidates, limits, uses)
+            granted = self._grant(flow, len(found.free), now)
+            for c in found.free[: granted.granted]:
+                if c.key is not None:
+                    slots[c.task_id] = _Slot(c.key, False, now + flow.lease)
+            self._park(flow, found.waiting, token, now)
+        return Decided(
+            granted,
+            tuple(c.id for c in found.free),
+            tuple(c.id for c in found.waiting),
+        )
+
+    def task_started(self, flow: Flow, key: str, task_id: str) -> int:
+        """The slot is started (taken again if gone); with a queued limit, a wake."""
+        with self._lock:
+            now = self.clock()
+            slot = self.slots.setdefault(flow.name, {}).get(task_id)
+            if slot is None:
+                self.slots[flow.name][task_id] = _Slot(key, True, now + flow.lease)
+                return 0
+            slot.started = True
+            limits = limits_in_force(flow, self.limits.get(flow.name))
+            if limits.of(key).queued is None:
+                return 0
+            return self._wake(key, 1, now)
+
+    def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
+        """The slot frees; a parked row of the key is woken."""
+        with self._lock:
+            self.slots.setdefault(flow.name, {}).pop(task_id, None)
+            return self._wake(key, 1, self.clock())
+
+    def set_limits(self, name: str, limits: Limits | None) -> None:
+        """Put ``limits`` in force for ``name``; parked rows woken."""
+        with self._lock:
+            self.limits[name] = limits.text() if limits is not None else None
+            now = self.clock()
+            for key in list(self.parked):
+                self._wake(key, len(self.parked[key]), now)
+
+    def _grant(self, flow: Flow, wanted: int, now: float) -> Grant:
+        rates = rates_in_force(flow, self.changed.get(flow.name))
+        records = self.records.setdefault(flow.name, [])
+        uses = [use_of(records, rate, now) for rate in rates]
+        paced_for = self.paced_until.get(flow.name, now) - now
+        granted = grant(uses, wanted, paced_for)
+        if granted.held:
+            self.paced_until[flow.name] = now + granted.paced_for
+        if granted.granted:
+            records.append((now, granted.granted))
+        longest = max((r.seconds for r in (*rates, *flow.rates)), default=0.0)
+        records[:] = [(at, n) for at, n in records if at > now - max(longest, MINUTE)]
         return granted
+
+    def _park(
+        self, flow: Flow, waiting: Sequence[Candidate], token: str, now: float
+    ) -> None:
+        """Rows of this claim put back until a report wakes them, or the lease."""
+        tables = self.tables
+        for c in waiting:
+            key = str(c.key)
+            if tables is not None:
+                with tables.lock:
+                    row = tables.rows.get(c.id)
+                    if row is None or row.lease_token != token:
+                        continue
+                    tables.rows[c.id] = dataclasses.replace(
+                        row,
+                        available_at=now + flow.lease,
+                        lease_token=None,
+                        last_error=waiting_reason(flow.name, key),
+                    )
+                    name = row.envelope.task_name
+            else:
+                name = ""
+            self.parked.setdefault(key, []).append((c.id, name))
+
+    def _wake(self, key: str, count: int, now: float) -> int:
+        """The first ``count`` parked rows of ``key`` due now."""
+        found = self.parked.get(key, [])
+        woken, self.parked[key] = found[:count], found[count:]
+        if self.tables is not None:
+            with self.tables.lock:
+                for row_id, _ in woken:
+                    row = self.tables.rows.get(row_id)
+                    if row is not None and row.lease_token is None:
+                        self.tables.rows[row_id] = dataclasses.replace(
+                            row, available_at=now
+                        )
+        return len(woken)
 
     def set_rates(self, name: str, rates: Sequence[Rate] | None) -> None:
         """Put ``rates`` in force for ``name``; None goes back to the settings'."""
@@ -80,11 +195,33 @@ class InMemoryFlows:
                 for name, records in self.records.items()
             }
             changed = dict(self.changed)
+            limits = dict(self.limits)
+            slots: list[tuple[str, str, int, int]] = []
+            for name, taken in self.slots.items():
+                per_key: Counter[tuple[str, bool]] = Counter(
+                    (slot.key, slot.started)
+                    for slot in taken.values()
+                    if slot.expires_at > now
+                )
+                for key in sorted({k for k, _ in per_key}):
+                    running = per_key[(key, True)] + per_key[(key, False)]
+                    slots.append((name, key, running, per_key[(key, False)]))
+            parked = Counter(
+                (task, key) for key, rows in self.parked.items() for _, task in rows
+            )
         by_task: Counter[str] = Counter()
         if self.tables is not None:
             with self.tables.lock:
                 by_task.update(r.envelope.task_name for r in self.tables.rows.values())
-        return flow_stats(flows, changed, recent, sorted(by_task.items()))
+        return flow_stats(
+            flows,
+            changed,
+            recent,
+            sorted(by_task.items()),
+            limits,
+            slots,
+            [(task, key, n) for (task, key), n in sorted(parked.items())],
+        )
 
     def reset_connection(self) -> None:
         """No connection to drop."""

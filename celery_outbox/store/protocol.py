@@ -30,7 +30,7 @@ from .types import (
 
 if TYPE_CHECKING:
     from ..envelope import Envelope
-    from ..flow.core import Flow, FlowStats, Grant, Rate
+    from ..flow.core import Candidate, Decided, Flow, FlowStats, Grant, Limits, Rate
     from ..ordering.options import Policy
     from .events import DeadEvent
     from .history import MessageTrace
@@ -313,9 +313,32 @@ class FlowStore(Protocol):
         (an operator's, else the flow's), and record the granted ones as published."""
         ...
 
+    def decide(
+        self, flow: Flow, candidates: Sequence[Candidate], token: str
+    ) -> Decided:
+        """Decide for a batch's rows of a flow with limits per key (claimed under
+        ``token``): the keys' limits, then the rates; a slot taken for each row that
+        goes; the rows whose key is at a limit put back, parked, in the same
+        transaction (a report that frees a slot wakes them)."""
+        ...
+
+    def task_started(self, flow: Flow, key: str, task_id: str) -> int:
+        """A task of ``key`` started: its slot is no longer queued (taken again if
+        it was gone); with a ``queued`` limit, one parked row of the key is woken."""
+        ...
+
+    def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
+        """A task of ``key`` ended: its slot frees, a parked row of the key is woken."""
+        ...
+
     def set_rates(self, name: str, rates: Sequence[Rate] | None) -> None:
         """Put ``rates`` in force for the flow ``name`` at the next decision of every
         relay; None goes back to the settings' rates."""
+        ...
+
+    def set_limits(self, name: str, limits: Limits | None) -> None:
+        """Put ``limits`` in force for the flow ``name`` at the next decision of
+        every relay (parked rows are woken); None goes back to the settings'."""
         ...
 
     def flow_stats(self, flows: Sequence[Flow]) -> tuple[FlowStats, ...]:

@@ -14,8 +14,17 @@ from typing import Protocol
 
 import pytest
 
-from celery_outbox.envelope import Envelope
-from celery_outbox.flow.core import Flow, parse_rate
+from celery_outbox.envelope import Envelope, StoredMessage
+from celery_outbox.flow.core import (
+    KEY_HEADER,
+    Decided,
+    Flow,
+    KeyLimit,
+    Limits,
+    parse_limits,
+    parse_rate,
+)
+from celery_outbox.flow.gate import candidate
 from celery_outbox.store import FlowStore
 
 from ..integration.builders import envelope
@@ -38,6 +47,10 @@ class FlowHarness(Protocol):
         """Let ``seconds`` pass on the store's clock."""
         ...
 
+    def claim(self, limit: int) -> tuple[str, Sequence[StoredMessage]]:
+        """Lease up to ``limit`` due rows, as a relay: its token and the rows."""
+        ...
+
 
 def flow(name: str = "partner", *rates: str, tasks: tuple[str, ...] = ()) -> Flow:
     return Flow(
@@ -47,8 +60,161 @@ def flow(name: str = "partner", *rates: str, tasks: tuple[str, ...] = ()) -> Flo
     )
 
 
+def of_key(tag: str, key: str, task_name: str = "shop.call_partner") -> Envelope:
+    """A task of ``task_name`` sent with ``flow_key=key``."""
+    return envelope(
+        tag, task_name=task_name, headers={"task": task_name, KEY_HEADER: key}
+    )
+
+
+def keyed_flow(
+    lease: float = 300.0, rates: tuple[str, ...] = (), **limits: object
+) -> Flow:
+    return Flow(
+        "partner",
+        ("shop.call_partner",),
+        tuple(parse_rate(r) for r in rates),
+        parse_limits(limits),
+        lease,
+    )
+
+
+def tags(messages: Sequence[StoredMessage]) -> list[str]:
+    return sorted(m.envelope.task_id.split("-")[0] for m in messages)
+
+
 class FlowContract:
     """What the gate and the operator rely on, on every backend."""
+
+    def decide(
+        self, flows: FlowHarness, partner: Flow, limit: int = 50
+    ) -> tuple[Decided, dict[int, str]]:
+        """Claim due rows and decide for them as the gate would; the decision and
+        the claimed rows' tags by id."""
+        token, messages = flows.claim(limit)
+        decided = flows.flows.decide(partner, [candidate(m) for m in messages], token)
+        return decided, {m.id: m.envelope.task_id.split("-")[0] for m in messages}
+
+    def test_a_key_at_its_running_limit_waits_and_the_others_go(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        flows.enqueue(
+            [of_key("a1", "a"), of_key("a2", "a"), of_key("a3", "a"), of_key("b1", "b")]
+        )
+        decided, by_id = self.decide(flows, partner)
+        assert [by_id[i] for i in decided.free] == ["a1", "b1"]
+        assert sorted(by_id[i] for i in decided.waiting) == ["a2", "a3"]
+        # The waiting rows are out of every claim until a slot of their key frees.
+        assert tags(flows.claim(50)[1]) == []
+        assert flows.flows.task_ended(partner, "b", self.ids["b1"]) == 0
+        assert tags(flows.claim(50)[1]) == []
+        assert flows.flows.task_ended(partner, "a", self.ids["a1"]) == 1
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2"]
+        # a1's slot is free: a2 takes it.
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (len(found.free), found.waiting) == (1, ())
+
+    @pytest.fixture(autouse=True)
+    def _ids(self, flows: FlowHarness) -> None:
+        self.ids: dict[str, str] = {}
+        enqueue = flows.enqueue
+
+        def remembered(envelopes: Sequence[Envelope]) -> None:
+            for built in envelopes:
+                self.ids[built.task_id.split("-")[0]] = built.task_id
+            enqueue(envelopes)
+
+        flows.enqueue = remembered  # type: ignore[method-assign]
+
+    def test_a_queued_limit_frees_its_slot_when_the_task_starts(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(queued=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a")])
+        decided, by_id = self.decide(flows, partner)
+        assert [by_id[i] for i in decided.free] == ["a1"]
+        assert flows.flows.task_started(partner, "a", self.ids["a1"]) == 1
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2"]
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert len(found.free) == 1
+        stats = flows.flows.flow_stats([partner])[0]
+        # a1 runs, a2 is published and not started.
+        assert (stats.running, stats.queued) == (2, 1)
+
+    def test_a_key_of_its_own_limit_takes_it(self, flows: FlowHarness) -> None:
+        partner = keyed_flow(running=1, keys={"vip-*": {"running": 2}})
+        flows.enqueue(
+            [of_key(f"v{i}", "vip-1") for i in range(3)]
+            + [of_key(f"o{i}", "other") for i in range(3)]
+        )
+        decided, by_id = self.decide(flows, partner)
+        assert sorted(by_id[i] for i in decided.free) == ["o0", "v0", "v1"]
+
+    def test_the_keys_take_turns_for_the_rate(self, flows: FlowHarness) -> None:
+        partner = keyed_flow(rates=("3/m",), running=10)
+        flows.enqueue(
+            [of_key(f"a{i}", "a") for i in range(4)]
+            + [of_key("b0", "b"), of_key("c0", "c")]
+        )
+        decided, by_id = self.decide(flows, partner)
+        assert decided.grant.granted == 3
+        assert [by_id[i] for i in decided.free[:3]] == ["a0", "b0", "c0"]
+
+    def test_a_slot_no_report_frees_frees_after_the_lease(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(lease=1.0, running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a")])
+        decided, _ = self.decide(flows, partner)
+        assert len(decided.waiting) == 1
+        flows.wait(1.1)
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2"]
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (len(found.free), found.waiting) == (1, ())
+
+    def test_an_operator_raises_a_limit_and_the_waiting_rows_come_back(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a"), of_key("a3", "a")])
+        self.decide(flows, partner)
+        flows.flows.set_limits("partner", Limits(KeyLimit(running=3)))
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2", "a3"]
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (len(found.free), found.waiting) == (2, ())
+        stats = flows.flows.flow_stats([partner])[0]
+        assert stats.limits_changed and stats.limits.every.running == 3
+        assert [(k.key, k.running, k.waiting) for k in stats.keys] == [("a", 3, 0)]
+
+    def test_the_stats_show_each_keys_running_and_waiting_rows(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a"), of_key("b1", "b")])
+        self.decide(flows, partner)
+        stats = flows.flows.flow_stats([partner])[0].as_dict()
+        assert (stats["running"], stats["queued"], stats["waiting"]) == (2, 2, 3)
+        assert stats["keys"] == [
+            {
+                "key": "a",
+                "running": 1,
+                "queued": 1,
+                "waiting": 1,
+                "limit": {"running": 1},
+            },
+            {
+                "key": "b",
+                "running": 1,
+                "queued": 1,
+                "waiting": 0,
+                "limit": {"running": 1},
+            },
+        ]
 
     def test_it_grants_up_to_the_rate_and_says_when_the_window_frees(
         self, flows: FlowHarness
@@ -132,16 +298,26 @@ class FlowContract:
                 "tasks": ["shop.call_partner", "shop.sync_*"],
                 "rates": ["5/s", "100000/d"],
                 "changed": False,
+                "limits": {},
+                "limits_changed": False,
                 "waiting": 2,
                 "published_last_minute": 3,
+                "running": 0,
+                "queued": 0,
+                "keys": [],
             },
             "mailer": {
                 "name": "mailer",
                 "tasks": ["mail.*"],
                 "rates": ["2/m"],
                 "changed": True,
+                "limits": {},
+                "limits_changed": False,
                 "waiting": 1,
                 "published_last_minute": 0,
+                "running": 0,
+                "queued": 0,
+                "keys": [],
             },
         }
 

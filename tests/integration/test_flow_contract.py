@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 from django.db import transaction
 
-from celery_outbox.envelope import Envelope
+from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.store import FlowStore, Stores
 
 from ..contract.flow_contract import FlowContract
@@ -33,6 +33,10 @@ class DatabaseFlows:
 
     def wait(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def claim(self, limit: int) -> tuple[str, Sequence[StoredMessage]]:
+        found = Stores(self.alias).relay().claim(limit, 30.0)
+        return found.token, found.messages
 
 
 @pytest.fixture

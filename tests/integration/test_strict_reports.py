@@ -29,11 +29,11 @@ from celery.worker.request import Request
 from django.db import connections, transaction
 from kombu.message import Message
 
+from celery_outbox.engine.reports import wait_for_reports
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
 from celery_outbox.ordering.options import Ordering
-from celery_outbox.ordering.worker import wait_for_reports
 from celery_outbox.outcomes import Settlement
 from celery_outbox.store import RelayStore, Stores
 from celery_outbox.store.notify import CHANNEL

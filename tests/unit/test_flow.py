@@ -20,6 +20,7 @@ from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
 from celery_outbox.flow.core import (
+    Decided,
     Flow,
     Grant,
     Rate,
@@ -77,8 +78,21 @@ def test_a_flow_is_read_with_its_tasks_and_every_rate() -> None:
         ({"tasks": ["a"], "rate": ["5/s", "9/s"]}, "names one unit twice"),
         ({"tasks": "shop.call_partner", "rate": "1/s"}, "'tasks' is a list"),
         ({"tasks": [re.compile("shop.*")], "rate": "1/s"}, "regular expressions"),
-        ({"tasks": ["a"]}, "missing: ['rate']"),
+        ({"tasks": ["a"]}, "needs 'tasks' and at least one limit"),
         ({"tasks": ["a"], "rate": "1/s", "burst": 3}, "unknown: ['burst']"),
+        ({"tasks": ["a"], "running": 0}, "'running' is a whole number of at least 1"),
+        ({"tasks": ["a"], "queued": "2"}, "'queued' is a whole number of at least 1"),
+        ({"tasks": ["a"], "running": True}, "'running' is a whole number"),
+        ({"tasks": ["a"], "keys": ["vip"]}, "'keys' is a dict of limits by flow key"),
+        (
+            {"tasks": ["a"], "keys": {"vip": {"burst": 3}}},
+            "'keys' 'vip': a dict with 'running' and/or 'queued'",
+        ),
+        (
+            {"tasks": ["a"], "keys": {"vip": {"running": 0}}},
+            "'keys' 'vip': 'running' is a whole number of at least 1",
+        ),
+        ({"tasks": ["a"], "running": 1, "lease": 0}, "'lease' is the seconds"),
     ],
 )
 def test_a_misconfigured_flow_is_refused_with_the_fix(
@@ -149,7 +163,7 @@ def test_the_plan_admits_the_first_rows_and_paces_the_rest() -> None:
         message(4, envelope("d", task_name="shop.call_partner")),
         message(5, envelope("e", task_name="shop.call_partner")),
     ]
-    grants = {"partner": Grant(1, 0.5, 0.25, (Rate(4, 1.0),))}
+    grants = {"partner": Decided(Grant(1, 0.5, 0.25, (Rate(4, 1.0),)), (1, 3, 4, 5))}
     admission = plan(
         messages,
         lambda name: "partner" if name == "shop.call_partner" else None,
@@ -174,7 +188,7 @@ def test_a_key_stays_in_order_behind_a_held_row() -> None:
     admission = plan(
         messages,
         lambda name: "partner" if name == "shop.call_partner" else None,
-        {"partner": Grant(1, 1.0, 1.0, (Rate(1, 1.0),))},
+        {"partner": Decided(Grant(1, 1.0, 1.0, (Rate(1, 1.0),)), (1, 2))},
     )
     # Row 3 has no flow, but publishing it before row 2 would reorder org:1.
     assert [m.id for m in admission.admitted] == [1, 4]
@@ -215,6 +229,10 @@ class MemoryFlows:
 
     def wait(self, seconds: float) -> None:
         self.clock.advance(seconds)
+
+    def claim(self, limit: int) -> tuple[str, Sequence[StoredMessage]]:
+        found = self.outbox.claim(limit, 30.0)
+        return found.token, found.messages
 
 
 @pytest.fixture

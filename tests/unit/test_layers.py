@@ -58,6 +58,8 @@ PLACES = {
     # The engine of leased work, and the gate that limits what a lane publishes.
     "celery_outbox.engine": "engine",
     "celery_outbox.flow.gate": "engine",
+    # A flow key's slots, started and freed by the worker's reports.
+    "celery_outbox.flow.worker": "lanes",
     # Lanes, and what observes them.
     "celery_outbox.events": "lanes",
     "celery_outbox.handlers": "lanes",

@@ -13,6 +13,12 @@ from celery.exceptions import (
     WorkerLostError,
 )
 
+from celery_outbox.engine.endings import (
+    Replaced,
+    ending_after_run,
+    ending_of_failure,
+    ending_of_revoke,
+)
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.exceptions import OutboxValueError
 from celery_outbox.ordering.core import (
@@ -23,12 +29,6 @@ from celery_outbox.ordering.core import (
     report_for,
     run_length,
     superseded,
-)
-from celery_outbox.ordering.endings import (
-    Replaced,
-    ending_after_run,
-    ending_of_failure,
-    ending_of_revoke,
 )
 from celery_outbox.ordering.options import HEADER, Ordering, Policy, pop_options
 from celery_outbox.outcomes import Action, Decision, Settlement

@@ -1,15 +1,17 @@
 """How Celery ended a delivered task: one :class:`TaskEnd` per ending, from its signals.
 
-A strict head stays in the outbox until its worker says how its task ended; an
-ending nobody reports holds the key until the running lease is over, and then the
-head is published again. Celery tells the endings through several signals, some in
+The worker reports to the outbox how a watched task ended: a strict head stays in
+the outbox until then (an ending nobody reports holds the key until the running
+lease is over, and then the head is published again), and a flow key's task holds
+a slot of its key until then (or until the slot's lease is over). Celery tells the endings through several signals, some in
 the pool's child that ran the task, some in the worker's main process, and not the
 same in every release. This module is the one place that connects them; each
 receiver turns its signal into an :class:`~.core.Ending` (:func:`ending_after_run`,
 :func:`ending_of_failure`, :func:`ending_of_revoke`) and hands a :class:`TaskEnd` to
-the recipient :func:`install` was given (the strict reporter,
-:mod:`celery_outbox.ordering.worker`), which settles the row as
-:func:`~.core.report_for` says.
+the recipients :func:`install` was given: the strict reporter
+(:mod:`celery_outbox.ordering.worker`), which settles the row as
+:func:`~celery_outbox.ordering.core.report_for` says, and the flow reporter
+(:mod:`celery_outbox.flow.worker`), which frees the key's slot.
 
 Which signal tells which ending (a prefork pool; solo and threads pools run
 everything in the main process):
@@ -67,8 +69,9 @@ from celery.signals import (
     task_unknown,
 )
 
-from .core import Ending
-from .options import HEADER, is_strict
+from ..flow.core import FLOW_HEADER, KEY_HEADER
+from ..ordering.core import Ending
+from ..ordering.options import HEADER, is_strict
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ class TaskEnd:
 
     ending: Ending
     task_id: str
-    #: The delivered message's ordering header (:data:`~.options.HEADER`).
+    #: The delivered message's headers the outbox watches: the ordering header
+    #: (:data:`~celery_outbox.ordering.options.HEADER`), the flow and flow key.
     headers: Mapping[str, Any]
     #: What ended a failed task, as it is recorded: ``ValueError: text`` for the
     #: task's own exception, Celery's own wording for a rejection, a time limit or a
@@ -103,7 +107,7 @@ class Replaced(Ignore):
 
 
 _recipients: list[Recipient] = []
-#: Delivered strict requests, by task id, while the main process holds them.
+#: Delivered watched requests, by task id, while the main process holds them.
 _delivered: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
@@ -124,8 +128,13 @@ def install(recipient: Recipient) -> None:
         signal.connect(receiver, weak=False, dispatch_uid=uid)
 
 
-def strict_headers(request: Any) -> Mapping[str, Any] | None:
-    """The ordering header of a delivered strict head, else None.
+#: The headers that make a delivered task one the worker reports on.
+WATCHED = (HEADER, FLOW_HEADER, KEY_HEADER)
+
+
+def watched_headers(request: Any) -> Mapping[str, Any] | None:
+    """The watched headers of a delivered task (a strict head, a flow key's task),
+    else None.
 
     ``request`` is a task's request (a ``Context``): custom headers reach its
     ``headers`` and, from a broker, an attribute named after the header.
@@ -133,14 +142,18 @@ def strict_headers(request: Any) -> Mapping[str, Any] | None:
     if request is None or getattr(request, "is_eager", False):
         return None
     headers = getattr(request, "headers", None) or {}
-    return strict_in({HEADER: headers.get(HEADER) or getattr(request, HEADER, None)})
+    return watched_in(
+        {name: headers.get(name) or getattr(request, name, None) for name in WATCHED}
+    )
 
 
-def strict_in(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """The ordering header of a message's headers when it is a strict head, else None."""
-    value = (headers or {}).get(HEADER)
-    found = {HEADER: value} if value else {}
-    return found if is_strict(found) else None
+def watched_in(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """A message's watched headers when it is a strict head or a flow key's task,
+    else None."""
+    found = {name: value for name in WATCHED if (value := (headers or {}).get(name))}
+    if is_strict(found) or (FLOW_HEADER in found and KEY_HEADER in found):
+        return found
+    return None
 
 
 # -- what each signal says ---------------------------------------------------------
@@ -231,7 +244,7 @@ def _after_run(
     state: str | None = None,
     **_: Any,
 ) -> None:
-    headers = strict_headers(getattr(task, "request", None))
+    headers = watched_headers(getattr(task, "request", None))
     if headers is None:
         return
     ending = ending_after_run(state, retval)
@@ -246,7 +259,7 @@ def _after_run(
 
 
 def _retried(request: Any = None, reason: Any = None, **_: Any) -> None:
-    headers = strict_headers(request)
+    headers = watched_headers(request)
     if headers is None:
         return
     delay = retry_delay(reason)
@@ -256,7 +269,7 @@ def _retried(request: Any = None, reason: Any = None, **_: Any) -> None:
 def _revoked(
     request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
 ) -> None:
-    headers = strict_headers(request)
+    headers = watched_headers(request)
     if headers is None:
         return
     ending = ending_of_revoke(bool(terminated), bool(expired))
@@ -265,7 +278,7 @@ def _revoked(
 
 def _received(request: Any = None, **_: Any) -> None:
     dict_ = getattr(request, "request_dict", None)
-    if strict_in(dict_) is not None:
+    if watched_in(dict_) is not None:
         _delivered[str(request.id)] = request
 
 
@@ -276,7 +289,7 @@ def _failed_outside(
     if ending is None:
         return
     request = _delivered.get(str(task_id))
-    headers = strict_in(getattr(request, "request_dict", None))
+    headers = watched_in(getattr(request, "request_dict", None))
     if headers is None:
         return
     error, kind = _celerys(exception) if ending is Ending.TIMED_OUT else ("", "")
@@ -284,7 +297,7 @@ def _failed_outside(
 
 
 def _unknown(message: Any = None, name: str = "", id: str = "", **_: Any) -> None:
-    headers = strict_in(getattr(message, "headers", None))
+    headers = watched_in(getattr(message, "headers", None))
     if headers is None:
         return
     error, kind = _celerys(NotRegistered(name))
@@ -293,7 +306,7 @@ def _unknown(message: Any = None, name: str = "", id: str = "", **_: Any) -> Non
 
 def _rejected(message: Any = None, exc: Any = None, **_: Any) -> None:
     found = getattr(message, "headers", None) or {}
-    headers = strict_in(found)
+    headers = watched_in(found)
     if headers is None or not found.get("id"):
         return
     error, kind = _celerys(exc) if exc is not None else ("rejected", "Rejected")
