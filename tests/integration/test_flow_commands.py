@@ -1,5 +1,6 @@
-"""``outbox flows stats`` and ``outbox flows rate`` on every database: what an
-operator reads and changes, and what the next decision of a relay then does."""
+"""``outbox flows stats``, ``outbox flows rate`` and ``outbox flows limit`` on every
+database: what an operator reads and changes, and what the next decision of a relay
+then does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from django.db import transaction
 from django.test import override_settings
 
 from celery_outbox.conf import get_settings
+from celery_outbox.flow.core import KEY_HEADER
+from celery_outbox.flow.gate import candidate
 from celery_outbox.store import Stores
 
 from .builders import envelope
@@ -24,7 +27,8 @@ FLOWS = {
     "partner": {
         "tasks": ["shop.call_partner", "shop.sync_*"],
         "rate": ["3/s", "1000/d"],
-    }
+    },
+    "tenants": {"tasks": ["shop.per_tenant"], "running": 1},
 }
 
 
@@ -47,28 +51,33 @@ def test_stats_show_each_flows_backlog_recent_publishes_and_rate(
         Stores(on_alias).writer().insert(
             [envelope(str(i), task_name="shop.sync_stock") for i in range(4)]
         )
-    (partner,) = get_settings().flows
+    partner = get_settings().flows[0]
     assert Stores(on_alias).flows().reserve(partner, 5).granted == 3
-    assert json.loads(outbox("flows", "stats", "--format", "json")) == [
+    assert json.loads(outbox("flows", "stats", "--format", "json"))[:1] == [
         {
             "name": "partner",
             "tasks": ["shop.call_partner", "shop.sync_*"],
             "rates": ["3/s", "1000/d"],
             "changed": False,
+            "limits": {},
+            "limits_changed": False,
             "waiting": 4,
             "published_last_minute": 3,
+            "running": 0,
+            "queued": 0,
+            "keys": [],
         }
     ]
-    assert outbox("flows", "stats") == (
+    assert outbox("flows", "stats").splitlines()[:1] == [
         "partner: waiting 4  published in the last minute 3  rate 3/s, 1000/d "
-        "(settings)\n"
-    )
+        "(settings)"
+    ]
 
 
 def test_a_rate_changed_by_command_is_the_next_decisions_and_reset_undoes_it(
     on_alias: str,
 ) -> None:
-    (partner,) = get_settings().flows
+    partner = get_settings().flows[0]
     assert outbox("flows", "rate", "partner", "5/s", "10/m") == (
         "flow 'partner': rate 5/s, 10/m on every relay from now\n"
     )
@@ -87,7 +96,7 @@ def test_a_rate_changed_by_command_is_the_next_decisions_and_reset_undoes_it(
     [
         (
             ("mailer", "5/s"),
-            "No flow 'mailer' in CELERY_OUTBOX_FLOWS (configured: partner)",
+            "No flow 'mailer' in CELERY_OUTBOX_FLOWS (configured: partner, tenants)",
         ),
         (("partner", "20/x"), "'20/x' is not a rate"),
         (("partner", "0/s"), "'0/s' lets nothing through"),
@@ -104,3 +113,62 @@ def test_a_wrong_rate_command_changes_nothing_and_says_why(
     assert (
         json.loads(outbox("flows", "stats", "--format", "json"))[0]["changed"] is False
     )
+
+
+def test_a_limit_changed_by_command_is_the_next_decisions_and_reset_undoes_it(
+    on_alias: str,
+) -> None:
+    tenants = get_settings().flows[1]
+    with transaction.atomic(using=on_alias):
+        Stores(on_alias).writer().insert(
+            [
+                envelope(
+                    f"t{i}", task_name="shop.per_tenant", headers={KEY_HEADER: "t"}
+                )
+                for i in range(4)
+            ]
+        )
+    claim = Stores(on_alias).relay().claim(10, 30.0)
+    flows = Stores(on_alias).flows()
+    first = flows.decide(tenants, [candidate(m) for m in claim.messages], claim.token)
+    assert (len(first.free), len(first.waiting)) == (1, 3)
+    assert outbox("flows", "stats").splitlines()[1:] == [
+        "tenants: waiting 4  published in the last minute 1  no rate",
+        "  per key: running 1 (settings)  running 1  queued 1",
+        "  key 't': running 1  queued 1  waiting 3  limit running 1",
+    ]
+    assert outbox("flows", "limit", "tenants", "--key", "t*", "--running", "3") == (
+        "flow 'tenants': limits running 1; t*: running 3 (on every relay from now)\n"
+    )
+    # The parked rows were woken: the next decision takes the new limit.
+    claim = Stores(on_alias).relay().claim(10, 30.0)
+    again = flows.decide(tenants, [candidate(m) for m in claim.messages], claim.token)
+    assert (len(again.free), len(again.waiting)) == (2, 1)
+    stats = json.loads(outbox("flows", "stats", "--format", "json"))[1]
+    assert stats["limits"] == {"running": 1, "keys": {"t*": {"running": 3}}}
+    assert stats["limits_changed"] is True
+    assert outbox("flows", "limit", "tenants", "--reset") == (
+        "flow 'tenants': limits running 1 (the settings')\n"
+    )
+    stats = json.loads(outbox("flows", "stats", "--format", "json"))[1]
+    assert (stats["limits"], stats["limits_changed"]) == ({"running": 1}, False)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("mailer", "--running", "2"), "No flow 'mailer' in CELERY_OUTBOX_FLOWS"),
+        (("partner", "--running", "2"), "has no limits per key in CELERY_OUTBOX_FLOWS"),
+        (("tenants", "--running", "0"), "'running' is a whole number of at least 1"),
+        (("tenants",), "Give the new limits"),
+        (("tenants", "--queued", "2", "--reset"), "not both"),
+    ],
+)
+def test_a_wrong_limit_command_changes_nothing_and_says_why(
+    on_alias: str, args: tuple[str, ...], said: str
+) -> None:
+    with pytest.raises(CommandError) as raised:
+        outbox("flows", "limit", *args)
+    assert said in str(raised.value)
+    stats = json.loads(outbox("flows", "stats", "--format", "json"))[1]
+    assert (stats["limits"], stats["limits_changed"]) == ({"running": 1}, False)

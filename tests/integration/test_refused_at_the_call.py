@@ -39,6 +39,7 @@ TASK_CALLS: dict[str, Callable[[], Any]] = {
         ("a",), coalesce_key=f"doc{SURROGATE}:1"
     ),
     "dedup_key": lambda: record.apply_async(("a",), dedup_key=f"inv{NUL}:1"),
+    "flow_key": lambda: record.apply_async(("a",), flow_key=f"ten{SURROGATE}ant"),
     "task_id": lambda: record.apply_async(("a",), task_id=f"abc{SURROGATE}"),
     "task_name": lambda: app.send_task(f"shop.rec{NUL}ord", args=("a",)),
     "exchange": lambda: record.apply_async(
@@ -55,6 +56,7 @@ POSITIONS = {
     "ordering_key": 4,
     "coalesce_key": 3,
     "dedup_key": 3,
+    "flow_key": 3,
     "task_id": 3,
     "task_name": 8,
     "exchange": 2,

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
+from celery_outbox.app import retried_flow_key
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.checks import check_settings
 from celery_outbox.conf import load_settings
@@ -20,6 +21,7 @@ from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
 from celery_outbox.flow.core import (
+    KEY_HEADER,
     Decided,
     Flow,
     Grant,
@@ -406,3 +408,117 @@ def test_a_gate_that_cannot_decide_hands_the_batch_back_unsent() -> None:
     ] * 3
     pause = world.relay.config.error_pause
     assert [r.available_at - world.clock() for r in rows] == [pytest.approx(pause)] * 3
+
+
+# -- limits per key, with the real relay loop and a worker that reports ----------
+
+
+class KeyedWorld:
+    """A relay with a flow of limits per key, and workers that run what it
+    publishes for ``run_for`` seconds each and report starts and ends, as
+    ``celery_outbox.flow.worker`` does, on a fake clock."""
+
+    def __init__(self, entry: dict[str, Any], processes: int, run_for: float) -> None:
+        self.clock = FakeClock()
+        self.tables = Tables(self.clock)
+        self.store = InMemoryStore(tables=self.tables)
+        self.flows = InMemoryFlows(tables=self.tables)
+        self.publisher = InMemoryPublisher()
+        settings = load_settings(flows_setting({"partner": entry}))
+        (self.flow,) = settings.flows
+        self.relay = Relay(
+            self.store,
+            self.publisher,
+            RelayConfig(
+                batch_size=50,
+                lease_seconds=30.0,
+                poll_interval=1.0,
+                send_timeout=10.0,
+                policy=RetryPolicy(3, 1.0, 4.0, 5.0),
+            ),
+            clock=self.clock,
+            waiter=FakeWaiter(self.clock),
+            gate=gate_for(settings, self.flows),
+        )
+        self.processes = processes
+        self.run_for = run_for
+        self.queue: list[Envelope] = []  # the broker's queue
+        self.running: list[tuple[float, Envelope]] = []  # (ends at, task)
+        #: (key, start, end) of every run.
+        self.runs: list[tuple[str, float, float]] = []
+
+    def send(self, key: str, count: int) -> None:
+        self.store.add(
+            envelope(
+                f"{key}{i}", task_name="shop.call_partner", headers={KEY_HEADER: key}
+            )
+            for i in range(count)
+        )
+
+    def work(self) -> None:
+        """End what is due, then start what the free processes can."""
+        now = self.clock()
+        for ends, task in [r for r in self.running if r[0] <= now]:
+            self.running.remove((ends, task))
+            key = str(task.headers[KEY_HEADER])
+            self.runs.append((key, ends - self.run_for, ends))
+            self.flows.task_ended(self.flow, key, task.task_id)
+        self.queue.extend(self.publisher.published)
+        self.publisher.published.clear()
+        while self.queue and len(self.running) < self.processes:
+            task = self.queue.pop(0)
+            self.flows.task_started(
+                self.flow, str(task.headers[KEY_HEADER]), task.task_id
+            )
+            self.running.append((now + self.run_for, task))
+
+    def drain(self, limit: float = 300.0) -> None:
+        start = self.clock()
+        while (self.store.pending() or self.queue or self.running) and (
+            self.clock() - start < limit
+        ):
+            self.relay.run_once()
+            self.work()
+            self.clock.advance(0.01)
+
+    def most_at_once(self, key: str) -> int:
+        spans = [(s, e) for k, s, e in self.runs if k == key]
+        return max(sum(1 for s, e in spans if s <= at < e) for at, _ in spans)
+
+
+def test_a_key_runs_at_most_its_running_limit_and_the_others_go_past_it() -> None:
+    world = KeyedWorld({"tasks": ["shop.call_partner"], "running": 2}, 8, 0.5)
+    for key in ("a", "b", "c"):
+        world.send(key, 8)
+    start = world.clock()
+    world.drain()
+    assert len(world.runs) == 24 and world.tables.rows == {}
+    assert [world.most_at_once(key) for key in "abc"] == [2, 2, 2]
+    # The relay published past a capped key: the three keys ran side by side,
+    # 6 at once, and the 24 tasks took 4 turns of 0.5 s, not 12.
+    assert max(end for _, _, end in world.runs) - start < 2.5
+
+
+def test_a_quiet_key_starts_at_once_behind_a_noisy_backlog() -> None:
+    world = KeyedWorld({"tasks": ["shop.call_partner"], "queued": 2}, 2, 0.05)
+    world.send("noisy", 2000)
+    for _ in range(100):  # 1 s: the noisy backlog is in the outbox, 2 in the queue
+        world.relay.run_once()
+        world.work()
+        world.clock.advance(0.01)
+    sent_at = world.clock()
+    world.send("quiet", 5)
+    world.drain(limit=20.0)
+    quiet = sorted(start for key, start, _ in world.runs if key == "quiet")
+    assert len(quiet) == 5
+    # Behind at most 2 queued noisy tasks, not 2,000: within a few runs of 0.05 s.
+    assert quiet[-1] - sent_at < 1.0
+
+
+def test_a_retry_keeps_its_key_and_a_task_it_sends_does_not() -> None:
+    request = SimpleNamespace(id="t-1", outbox_flow_key="tenant-42", headers=None)
+    running = SimpleNamespace(request=request)
+    assert retried_flow_key(running, "t-1") == "tenant-42"
+    assert retried_flow_key(running, "t-2") is None
+    eager = SimpleNamespace(id="t-1", headers={KEY_HEADER: "tenant-7"})
+    assert retried_flow_key(SimpleNamespace(request=eager), "t-1") == "tenant-7"
