@@ -260,11 +260,12 @@ class OutboxMessageAdmin(
     # list_display would show instead of this method.
     @admin.display(description="state")
     def current_state(self, obj: OutboxMessage) -> str:
-        """due, in_flight, scheduled, retrying, deferred, or an ordered key's running / blocked."""
-        if obj.state in ("running", "blocked"):
-            return str(
-                obj.state
-            )  # a strict head a worker runs; a head that blocks its key
+        """due, in_flight, scheduled, retrying, deferred, an ordered key's running /
+        blocked, or parked (waiting for a slot of its flow key)."""
+        if obj.state in ("running", "blocked", "parked"):
+            # A strict head a worker runs; a head that blocks its key; a flow key's
+            # task waiting for a slot.
+            return str(obj.state)
         return message_state(
             obj.lease_token, obj.available_at, obj.attempts, timezone.now(), obj.due_at
         )

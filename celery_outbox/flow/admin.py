@@ -1,13 +1,16 @@
-"""Flows in the Django admin: each flow's rates in force, and changing them.
+"""Flows in the Django admin: each flow's rates and limits per key in force, and
+changing them.
 
 The list shows the flows that have a row (every flow a relay decided for, or whose
-rates an operator changed). The one editable field is the operator's rates, saved
-through the flow store as ``outbox flows rate`` saves them: every relay takes them
-at its next decision; an empty field goes back to the settings' rates.
+rates an operator changed). The editable fields are the operator's rates and
+limits, saved through the flow store as ``outbox flows rate`` and ``outbox flows
+limit`` save them: every relay takes them at its next decision; an empty field goes
+back to the settings'.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django import forms
@@ -17,7 +20,7 @@ from django.http import HttpRequest
 from ..conf import get_settings
 from ..models import FlowState
 from ..store import outbox_stores
-from .core import parse_rates, rates_text
+from .core import Limits, parse_limits, parse_rates, rates_text
 
 
 class FlowRatesForm(forms.ModelForm):  # type: ignore[type-arg]
@@ -25,11 +28,27 @@ class FlowRatesForm(forms.ModelForm):  # type: ignore[type-arg]
 
     class Meta:
         model = FlowState
-        fields = ("rates",)
+        fields = ("rates", "limits")
         help_texts = {
             "rates": "e.g. '20/s, 100000/d' (units s, m, h, d); empty: the rates "
-            "of CELERY_OUTBOX_FLOWS"
+            "of CELERY_OUTBOX_FLOWS",
+            "limits": "limits per flow key, as the setting writes them, e.g. "
+            '{"running": 2, "keys": {"premium-*": {"running": 10}}}; empty: the '
+            "limits of CELERY_OUTBOX_FLOWS",
         }
+
+    def clean_limits(self) -> str | None:
+        """The limits as stored (JSON), or None for the settings' limits."""
+        text = str(self.cleaned_data.get("limits") or "").strip()
+        if not text:
+            return None
+        try:
+            found = json.loads(text)
+            if not isinstance(found, dict):
+                raise ValueError(f"a dict such as {{'running': 2}}, got {found!r}")
+            return parse_limits(found).text()
+        except ValueError as exc:
+            raise forms.ValidationError(f"{exc}.") from None
 
     def clean_rates(self) -> str | None:
         """The rates as stored, or None for the settings' rates."""
@@ -48,9 +67,16 @@ class FlowStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """Flows: their rates in force; an operator's rates, changed in place."""
 
     form = FlowRatesForm
-    list_display = ("name", "in_force", "changed_at")
-    fields = ("name", "configured", "rates", "changed_at")
-    readonly_fields = ("name", "configured", "changed_at")
+    list_display = ("name", "in_force", "limits_in_force", "changed_at")
+    fields = (
+        "name",
+        "configured",
+        "rates",
+        "configured_limits",
+        "limits",
+        "changed_at",
+    )
+    readonly_fields = ("name", "configured", "configured_limits", "changed_at")
     ordering = ("name",)
 
     @admin.display(description="rates in force")
@@ -64,13 +90,31 @@ class FlowStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         found = next((f for f in get_settings().flows if f.name == obj.name), None)
         return "-" if found is None else rates_text(found.rates)
 
+    @admin.display(description="limits per key in force")
+    def limits_in_force(self, obj: FlowState) -> str:
+        """The operator's limits, else the settings'."""
+        if obj.limits:
+            return str(parse_limits(json.loads(obj.limits)))
+        return self.configured_limits(obj)
+
+    @admin.display(description="limits per key of the settings")
+    def configured_limits(self, obj: FlowState) -> str:
+        """The limits ``CELERY_OUTBOX_FLOWS`` gives the flow's keys ("-": none)."""
+        found = next((f for f in get_settings().flows if f.name == obj.name), None)
+        return "-" if found is None or not found.limits else str(found.limits)
+
     def save_model(
         self, request: HttpRequest, obj: FlowState, form: Any, change: bool
     ) -> None:
-        """Through the flow store, as ``outbox flows rate`` does."""
+        """Through the flow store, as ``outbox flows rate`` and ``limit`` do."""
+        store = outbox_stores().flows()
         text = form.cleaned_data.get("rates")
         rates = parse_rates([p.strip() for p in text.split(",")]) if text else None
-        outbox_stores().flows().set_rates(obj.name, rates)
+        store.set_rates(obj.name, rates)
+        if "limits" in form.changed_data:
+            stored = form.cleaned_data.get("limits")
+            limits: Limits | None = parse_limits(json.loads(stored)) if stored else None
+            store.set_limits(obj.name, limits)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         """A flow's row comes from the settings, not from the admin."""

@@ -152,12 +152,14 @@ class FlowQueries(StoreBase):
                 f"{self.dialect.now()} WHERE name = %s",
                 [text, name],
             )
+            # Read first, then change by id: an UPDATE that searched the table would
+            # lock every row it read on MySQL.
             cursor.execute(
-                f"UPDATE {MESSAGE_TABLE} SET state = NULL, flow_key = NULL, "
-                f"available_at = {self.dialect.now()} WHERE state = '{PARKED}'",
+                f"SELECT id FROM {MESSAGE_TABLE} WHERE flow_key IS NOT NULL AND "
+                f"state = '{PARKED}'",
                 [],
             )
-            self._notify(cursor, int(cursor.rowcount))
+            self._wake_ids(cursor, [int(row[0]) for row in cursor.fetchall()])
 
     def _grant(
         self,
@@ -264,18 +266,25 @@ class FlowQueries(StoreBase):
 
     def _wake(self, cursor: Any, key: str, count: int) -> int:
         """Make the first ``count`` rows waiting for a slot of ``key`` due now."""
+        # A plain read (no lock on the index range, which on MySQL would hold off
+        # the enqueues next to it); the flow's row lock keeps reports of one flow
+        # from waking the same rows, and the UPDATE changes only rows still parked.
         cursor.execute(
             f"SELECT id FROM {MESSAGE_TABLE} WHERE flow_key = %s AND state = "
-            f"'{PARKED}' ORDER BY id LIMIT %s{self._for_update()}",
+            f"'{PARKED}' AND lease_token IS NULL ORDER BY id LIMIT %s",
             [key, count],
         )
-        ids = [int(row[0]) for row in cursor.fetchall()]
+        return self._wake_ids(cursor, [int(row[0]) for row in cursor.fetchall()])
+
+    def _wake_ids(self, cursor: Any, ids: Sequence[int]) -> int:
+        """Make the parked rows ``ids`` due now; how many were still parked (a row
+        claimed again once its lease passed is a relay's: left alone)."""
         if not ids:
             return 0
         cursor.execute(
             f"UPDATE {MESSAGE_TABLE} SET state = NULL, flow_key = NULL, available_at "
             f"= {self.dialect.now()} WHERE id IN ({placeholders(ids)}) AND state = "
-            f"'{PARKED}'",
+            f"'{PARKED}' AND lease_token IS NULL",
             ids,
         )
         woken = int(cursor.rowcount)

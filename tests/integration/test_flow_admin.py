@@ -1,5 +1,6 @@
-"""Flows in the admin: the rates in force, and an operator's rates saved as the
-``outbox flows rate`` command saves them (the next decision of every relay)."""
+"""Flows in the admin: the rates and limits in force, and an operator's saved as the
+``outbox flows rate`` and ``limit`` commands save them (the next decision of every
+relay)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.django_db(databases="__all__", transaction=True)
 
 FLOWS = "/admin/celery_outbox/flowstate/"
 PARTNER = {"partner": {"tasks": ["shop.call_partner"], "rate": ["3/s", "1000/d"]}}
+TENANTS = {"tenants": {"tasks": ["shop.per_tenant"], "running": 1}}
 
 
 @override_settings(CELERY_OUTBOX_FLOWS=PARTNER)
@@ -33,6 +35,29 @@ def test_an_operator_changes_a_flows_rates_in_the_admin(admin_client: Client) ->
     assert "5/s, 100/m" in admin_client.get(FLOWS).content.decode()
     admin_client.post(page, {"rates": ""})
     assert flows.flow_stats([partner])[0].changed is False
+
+
+@override_settings(CELERY_OUTBOX_FLOWS=TENANTS)
+def test_an_operator_changes_a_flows_limits_per_key_in_the_admin(
+    admin_client: Client,
+) -> None:
+    (tenants,) = get_settings().flows
+    flows = Stores("default").flows()
+    flows.reserve(tenants, 1)
+    assert "running 1" in admin_client.get(FLOWS).content.decode()
+    page = f"{FLOWS}tenants/change/"
+    refused = admin_client.post(page, {"rates": "", "limits": '{"running": 0}'})
+    assert refused.status_code == 200
+    assert "is a whole number of at least 1" in refused.content.decode()
+    assert flows.flow_stats([tenants])[0].limits_changed is False
+    wanted = '{"running": 1, "keys": {"vip-*": {"running": 4}}}'
+    saved = admin_client.post(page, {"rates": "", "limits": wanted})
+    assert saved.status_code == 302
+    (stats,) = flows.flow_stats([tenants])
+    assert stats.limits_changed and stats.limits.of("vip-7").running == 4
+    assert "vip-*: running 4" in admin_client.get(FLOWS).content.decode()
+    admin_client.post(page, {"rates": "", "limits": ""})
+    assert flows.flow_stats([tenants])[0].limits_changed is False
 
 
 def test_flows_are_neither_added_nor_deleted_in_the_admin(
