@@ -97,18 +97,20 @@ class FlowQueries(StoreBase):
 
     def task_started(self, flow: Flow, key: str, task_id: str) -> int:
         """A task of ``key`` started on a worker: its slot no longer counts as
-        queued (made again if it had expired or was freed: it runs), and with a
-        ``queued`` limit one waiting row of the key is woken."""
+        queued and its lease counts from now (made again if it had expired or was
+        freed: it runs), and with a ``queued`` limit one parked row of the key is
+        woken."""
         with (
             self._translated(),
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
             self._lock(cursor, flow.name)
+            until_sql, until_params = self.dialect.after(flow.lease)
             cursor.execute(
-                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s WHERE flow = %s AND "
-                f"task_id = %s",
-                [True, flow.name, task_id],
+                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
+                f"WHERE flow = %s AND task_id = %s",
+                [True, *until_params, flow.name, task_id],
             )
             if not cursor.rowcount:
                 self._take_slots(

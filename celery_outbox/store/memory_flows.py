@@ -111,6 +111,7 @@ class InMemoryFlows:
                 self.slots[flow.name][task_id] = _Slot(key, True, now + flow.lease)
                 return 0
             slot.started = True
+            slot.expires_at = now + flow.lease
             limits = limits_in_force(flow, self.limits.get(flow.name))
             if limits.of(key).queued is None:
                 return 0
