@@ -83,7 +83,11 @@ class FlowQueries(StoreBase):
             changed, paced_for, stored = self._lock(cursor, flow.name)
             limits = limits_in_force(flow, stored)
             keys = sorted({c.key for c in candidates if c.key is not None})
-            uses = self._key_uses(cursor, flow.name, keys) if limits and keys else {}
+            uses = (
+                self._key_uses(cursor, flow.name, keys, [c.task_id for c in candidates])
+                if limits and keys
+                else {}
+            )
             found = by_key(candidates, limits, uses) if limits else None
             free = found.free if found is not None else tuple(candidates)
             granted = self._grant(cursor, flow, changed, paced_for, len(free))
@@ -198,9 +202,14 @@ class FlowQueries(StoreBase):
         return granted
 
     def _key_uses(
-        self, cursor: Any, name: str, keys: Sequence[str]
+        self, cursor: Any, name: str, keys: Sequence[str], deciding: Sequence[str]
     ) -> dict[str, KeyUse]:
-        """The slots each of ``keys`` holds; expired slots of the flow deleted first."""
+        """The slots each of ``keys`` holds; expired slots of the flow deleted first.
+
+        The slots of the tasks being decided (``deciding``: their task ids) do not
+        count: a row whose publish failed comes back with its slot still taken, and
+        would otherwise wait behind itself until the lease.
+        """
         now = self.dialect.now()
         cursor.execute(
             f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND expires_at <= {now}",
@@ -209,8 +218,9 @@ class FlowQueries(StoreBase):
         cursor.execute(
             f"SELECT flow_key, COUNT(*), SUM(CASE WHEN started = %s THEN 0 ELSE 1 END) "
             f"FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND flow_key IN "
-            f"({placeholders(keys)}) GROUP BY flow_key",
-            [True, name, *keys],
+            f"({placeholders(keys)}) AND task_id NOT IN ({placeholders(deciding)}) "
+            f"GROUP BY flow_key",
+            [True, name, *keys, *deciding],
         )
         return {
             str(key): KeyUse(int(running), int(queued or 0))

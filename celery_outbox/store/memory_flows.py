@@ -85,7 +85,10 @@ class InMemoryFlows:
             for task_id in [t for t, s in slots.items() if s.expires_at <= now]:
                 del slots[task_id]
             uses: dict[str, KeyUse] = {}
-            for slot in slots.values():
+            deciding = {c.task_id for c in candidates}
+            for task_id, slot in slots.items():
+                if task_id in deciding:  # a failed publish's own slot
+                    continue
                 use = uses.get(slot.key, KeyUse())
                 uses[slot.key] = KeyUse(
                     use.running + 1, use.queued + (not slot.started)

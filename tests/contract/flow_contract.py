@@ -144,6 +144,21 @@ class FlowContract:
         # a1 runs, a2 is published and not started.
         assert (stats.running, stats.queued) == (2, 1)
 
+    def test_a_row_whose_publish_failed_does_not_wait_behind_its_own_slot(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        flows.enqueue([of_key("a1", "a")])
+        token, first = flows.claim(50)
+        assert (
+            len(flows.flows.decide(partner, [candidate(m) for m in first], token).free)
+            == 1
+        )
+        # The broker refused it: the relay puts it back; it comes again, slot and all.
+        again = flows.flows.decide(partner, [candidate(m) for m in first], token)
+        assert (len(again.free), again.waiting) == (1, ())
+        assert flows.flows.flow_stats([partner])[0].running == 1
+
     def test_a_key_of_its_own_limit_takes_it(self, flows: FlowHarness) -> None:
         partner = keyed_flow(running=1, keys={"vip-*": {"running": 2}})
         flows.enqueue(
