@@ -30,32 +30,24 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
     )
     add_format(stats)
     stats.set_defaults(run=run_stats)
-    rate = verbs.add_parser(
-        "rate",
-        help="Change a flow's rates on every relay now, no restart (--reset: "
-        "back to the settings').",
-        **kwargs,
+    rate = _change_verb(
+        verbs, "rate", "rates", "Go back to the rates of CELERY_OUTBOX_FLOWS.", kwargs
     )
-    rate.add_argument("flow", metavar="FLOW", help="The flow's name.")
     rate.add_argument(
         "rates",
         metavar="RATE",
         nargs="*",
         help="The rates in force from now: '20/s', '1000/h', ... (units s, m, h, d).",
     )
-    rate.add_argument(
-        "--reset",
-        action="store_true",
-        help="Go back to the rates of CELERY_OUTBOX_FLOWS.",
-    )
     rate.set_defaults(run=run_rate)
-    limit = verbs.add_parser(
+    limit = _change_verb(
+        verbs,
         "limit",
-        help="Change a flow's limits per key on every relay now, no restart "
-        "(--reset: back to the settings').",
-        **kwargs,
+        "limits per key",
+        "Go back to the limits of CELERY_OUTBOX_FLOWS (with --key: drop that "
+        "key's own limits).",
+        kwargs,
     )
-    limit.add_argument("flow", metavar="FLOW", help="The flow's name.")
     limit.add_argument(
         "--key",
         metavar="KEY",
@@ -72,14 +64,23 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
             metavar="N",
             help=f"At most N tasks of a key {what} (N >= 1).",
         )
-    limit.add_argument(
-        "--reset",
-        action="store_true",
-        help="Go back to the limits of CELERY_OUTBOX_FLOWS (with --key: drop that "
-        "key's own limits).",
-    )
     limit.set_defaults(run=run_limit)
     return verbs
+
+
+def _change_verb(
+    verbs: Any, verb: str, what: str, reset: str, kwargs: dict[str, Any]
+) -> argparse.ArgumentParser:
+    """A verb that changes a flow's ``what`` on every relay: ``FLOW`` and ``--reset``."""
+    parser: argparse.ArgumentParser = verbs.add_parser(
+        verb,
+        help=f"Change a flow's {what} on every relay now, no restart (--reset: "
+        f"back to the settings').",
+        **kwargs,
+    )
+    parser.add_argument("flow", metavar="FLOW", help="The flow's name.")
+    parser.add_argument("--reset", action="store_true", help=reset)
+    return parser
 
 
 def configured() -> dict[str, Flow]:

@@ -11,6 +11,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from ..exceptions import OutboxConfigurationError, OutboxDatabaseError
 from .dialects import TABLES, Dialect, dialect_for
+from .notify import CHANNEL
 
 #: The attribute of a Django connection object that holds its :class:`Dialect`.
 _DIALECT = "_celery_outbox_dialect"
@@ -53,6 +54,11 @@ class StoreBase:
             return
         with contextlib.suppress(Exception):
             connection.close()
+
+    def _wake_relays(self, cursor: Any, changed: int) -> None:
+        """On PostgreSQL, wake listening relays at commit when rows fell due."""
+        if changed and self.dialect.notifies:
+            cursor.execute(f"SELECT pg_notify('{CHANNEL}', '')", [])
 
     def _for_update(self) -> str:
         """`` FOR UPDATE`` where the vendor has row locks (SQLite has one writer)."""

@@ -42,7 +42,6 @@ from .dialects import (
     MESSAGE_TABLE,
     placeholders,
 )
-from .notify import CHANNEL
 
 #: The window of ``published_last_minute``.
 MINUTE = 60.0
@@ -152,12 +151,7 @@ class FlowQueries(StoreBase):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            self._lock(cursor, name)
-            cursor.execute(
-                f"UPDATE {FLOW_TABLE} SET limits = %s, changed_at = "
-                f"{self.dialect.now()} WHERE name = %s",
-                [text, name],
-            )
+            self._change(cursor, name, "limits", text)
             # Read first, then change by id: an UPDATE that searched the table would
             # lock every row it read on MySQL.
             cursor.execute(
@@ -300,13 +294,8 @@ class FlowQueries(StoreBase):
             ids,
         )
         woken = int(cursor.rowcount)
-        self._notify(cursor, woken)
+        self._wake_relays(cursor, woken)
         return woken
-
-    def _notify(self, cursor: Any, changed: int) -> None:
-        """On PostgreSQL, wake listening relays at commit: rows are due."""
-        if changed and self.dialect.notifies:
-            cursor.execute(f"SELECT pg_notify('{CHANNEL}', '')", [])
 
     def set_rates(self, name: str, rates: Sequence[Rate] | None) -> None:
         """Put ``rates`` in force for the flow ``name`` at once, on every relay;
@@ -317,13 +306,8 @@ class FlowQueries(StoreBase):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            self._lock(cursor, name)
             # The rows held so far keep their places; the next ones pace at the new rate.
-            cursor.execute(
-                f"UPDATE {FLOW_TABLE} SET rates = %s, changed_at = "
-                f"{self.dialect.now()} WHERE name = %s",
-                [text, name],
-            )
+            self._change(cursor, name, "rates", text)
 
     def flow_stats(self, flows: Sequence[Flow]) -> tuple[FlowStats, ...]:
         """Each flow's rows waiting, its publishes of the last minute, its limits,
@@ -365,6 +349,16 @@ class FlowQueries(StoreBase):
             )
             parked = [(str(t), str(k), int(n)) for t, k, n in cursor.fetchall()]
         return flow_stats(flows, changed, recent, by_task, limits, slots, parked)
+
+    def _change(self, cursor: Any, name: str, column: str, text: str | None) -> None:
+        """An operator's ``rates`` or ``limits`` for the flow ``name`` (its row
+        locked, made if missing); None: the settings' again."""
+        self._lock(cursor, name)
+        cursor.execute(
+            f"UPDATE {FLOW_TABLE} SET {column} = %s, changed_at = {self.dialect.now()} "
+            f"WHERE name = %s",
+            [text, name],
+        )
 
     def _stored_limits(self, cursor: Any, name: str) -> str | None:
         cursor.execute(f"SELECT limits FROM {FLOW_TABLE} WHERE name = %s", [name])

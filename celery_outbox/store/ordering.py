@@ -30,7 +30,6 @@ from .dialects import (
     Dialect,
     placeholders,
 )
-from .notify import CHANNEL
 
 logger = logging.getLogger("celery_outbox.store")
 
@@ -342,7 +341,7 @@ class OrderingQueries(StoreBase):
                 return 0
             if policy is Policy.SKIP:
                 self._move_to_dead(cursor, dialect, ids, error)
-                self._wake(cursor, len(ids))
+                self._wake_relays(cursor, len(ids))
                 return len(ids)
             after_sql, after_params = dialect.after(BLOCKED_SECONDS)
             cursor.execute(
@@ -380,7 +379,7 @@ class OrderingQueries(StoreBase):
                 params,
             )
             changed = int(cursor.rowcount)
-            self._wake(cursor, changed)
+            self._wake_relays(cursor, changed)
             return changed
 
     # -- operators -----------------------------------------------------------------
@@ -449,7 +448,7 @@ class OrderingQueries(StoreBase):
                     f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})",
                     ids,
                 )
-            self._wake(cursor, len(ids))
+            self._wake_relays(cursor, len(ids))
             return len(ids)
 
     def ordering_stats(self, top: int = 10) -> OrderingStats:
@@ -509,8 +508,3 @@ class OrderingQueries(StoreBase):
         cursor.execute(
             f"DELETE FROM {MESSAGE_TABLE} WHERE id IN ({placeholders(ids)})", list(ids)
         )
-
-    def _wake(self, cursor: Any, changed: int) -> None:
-        """On PostgreSQL, wake listening relays at commit: a key's next row is due."""
-        if changed and self.dialect.notifies:
-            cursor.execute(f"SELECT pg_notify('{CHANNEL}', '')", [])
