@@ -88,6 +88,16 @@ def configured() -> dict[str, Flow]:
     return {flow.name: flow for flow in get_settings().flows}
 
 
+def named(flows: dict[str, Flow], name: str) -> str:
+    """``name`` when the settings have a flow of that name; else the command fails."""
+    if name not in flows:
+        known = ", ".join(sorted(flows)) or "none"
+        raise CommandError(
+            f"No flow {name!r} in CELERY_OUTBOX_FLOWS (configured: {known})."
+        )
+    return name
+
+
 def run_stats(options: dict[str, Any], streams: Streams) -> None:
     """Print every flow's statistics."""
     from ..store import outbox_stores
@@ -124,12 +134,7 @@ def run_rate(options: dict[str, Any], streams: Streams) -> None:
     from ..store import outbox_stores
 
     flows = configured()
-    name = options["flow"]
-    if name not in flows:
-        known = ", ".join(sorted(flows)) or "none"
-        raise CommandError(
-            f"No flow {name!r} in CELERY_OUTBOX_FLOWS (configured: {known})."
-        )
+    name = named(flows, options["flow"])
     if options["reset"] == bool(options["rates"]):
         raise CommandError(
             "Give the new rates (e.g. 'outbox flows rate partner 20/s 100000/d') or "
@@ -154,12 +159,7 @@ def run_limit(options: dict[str, Any], streams: Streams) -> None:
     from ..store import outbox_stores
 
     flows = configured()
-    name = options["flow"]
-    if name not in flows:
-        known = ", ".join(sorted(flows)) or "none"
-        raise CommandError(
-            f"No flow {name!r} in CELERY_OUTBOX_FLOWS (configured: {known})."
-        )
+    name = named(flows, options["flow"])
     if not flows[name].limits:
         raise CommandError(
             f"Flow {name!r} has no limits per key in CELERY_OUTBOX_FLOWS: add "
