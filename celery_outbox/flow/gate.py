@@ -13,16 +13,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..conf import OutboxSettings
-from ..engine.gate import OPEN, Gate
+from ..engine.gate import RUNNING_SECONDS, Gate, KeyGate
 from ..envelope import StoredMessage
 from ..store.protocol import FlowStore
 from .core import KEY_HEADER, Admission, Candidate, Decided, Flow, flow_of, plan
 
 
-class FlowGate:
-    """Applies ``flows`` on the state ``store`` keeps (the same for every relay)."""
+class FlowGate(KeyGate):
+    """Applies ``flows`` on the state ``store`` keeps (the same for every relay),
+    and ordered keys' policy after the publish."""
 
-    def __init__(self, flows: Sequence[Flow], store: FlowStore) -> None:
+    def __init__(
+        self,
+        flows: Sequence[Flow],
+        store: FlowStore,
+        running_seconds: float = RUNNING_SECONDS,
+    ) -> None:
+        super().__init__(running_seconds)
         self.flows = tuple(flows)
         self.store = store
         self._by_name = {flow.name: flow for flow in self.flows}
@@ -65,7 +72,7 @@ def candidate(message: StoredMessage) -> Candidate:
 
 
 def gate_for(settings: OutboxSettings, store: FlowStore) -> Gate:
-    """The flow gate when flows are configured; else the open gate (no query)."""
+    """The flow gate when flows are configured; else ordered keys' gate (no query)."""
     if not settings.flows:
-        return OPEN
-    return FlowGate(settings.flows, store)
+        return KeyGate(settings.strict_lease_seconds)
+    return FlowGate(settings.flows, store, settings.strict_lease_seconds)

@@ -17,14 +17,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..broker import Publisher, describe
 from ..deprecation import deprecated
-from ..engine.gate import OPEN, Gate
+from ..engine.gate import Gate, KeyGate
 from ..engine.heartbeat import Heartbeat
 from ..engine.loop import Loop, Pacing, Turn, WakeupSource
 from ..engine.observations import LoopError, StopReason, notify
 from ..engine.waiter import Waiter
 from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
-from ..ordering.core import ordered_settlement
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from ..store import Claim, RelayStore, SettleReport
 from .config import RelayConfig
@@ -67,7 +66,7 @@ class Relay:
         batch_hooks: Sequence[BatchHook] = (),
         heartbeat: Heartbeat | None = None,
         listeners: Sequence[Observer] | None = None,
-        gate: Gate = OPEN,
+        gate: Gate | None = None,
     ) -> None:
         if listeners is not None:
             deprecated("Relay(listeners=...)", "Relay(observers=...)")
@@ -75,8 +74,10 @@ class Relay:
         self.store = store
         self.publisher = publisher
         self.config = config
-        #: What the relay may publish of each claimed batch (flow control).
-        self.gate = gate
+        #: What the relay may publish of each claimed batch (flow control), and
+        #: what becomes of the rows it published (ordered keys); by default,
+        #: ordered keys' policy alone.
+        self.gate = gate if gate is not None else KeyGate(config.strict_lease_seconds)
         self.clock = clock
         self.random = random_source
         self.observers: list[Observer] = list(observers)
@@ -263,10 +264,8 @@ class Relay:
         results = self._publish(messages, budget) if messages else []
         publish_seconds = self.clock() - publish_started
         attempts = {m.id: m.attempts for m in messages}
-        settlement = ordered_settlement(
-            settle(results, attempts, self.config.policy, self.random),
-            messages,
-            self.config.strict_lease_seconds,
+        settlement = self.gate.settled(
+            settle(results, attempts, self.config.policy, self.random), messages
         )
         if admission.held:
             settlement = dataclasses.replace(

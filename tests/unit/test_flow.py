@@ -16,7 +16,7 @@ from celery_outbox.app import retried_flow_key
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.checks import check_settings
 from celery_outbox.conf import load_settings
-from celery_outbox.engine.gate import OPEN
+from celery_outbox.engine.gate import KeyGate
 from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
@@ -200,8 +200,12 @@ def test_a_key_stays_in_order_behind_a_held_row() -> None:
 # -- the gate --------------------------------------------------------------------
 
 
-def test_no_flow_configured_is_the_open_gate() -> None:
-    assert gate_for(load_settings(SimpleNamespace()), InMemoryFlows()) is OPEN
+def test_no_flow_configured_is_ordered_keys_gate_alone() -> None:
+    gate = gate_for(
+        load_settings(SimpleNamespace(CELERY_OUTBOX_STRICT_LEASE_SECONDS=42)),
+        InMemoryFlows(),
+    )
+    assert type(gate) is KeyGate and gate.running_seconds == 42.0
 
 
 def test_rows_of_no_flow_cost_the_gate_no_decision() -> None:
