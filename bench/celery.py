@@ -61,6 +61,12 @@ flowed = app.task(name="bench.flowed")(_ordered)
 #: Its calls go straight to the broker (the flow part's settings exclude it).
 limited = app.task(name="bench.limited", rate_limit="20/s")(_ordered)
 
+#: The flow keys' parts (``bench.flow_keys``): a flow of at most 2 running per key,
+#: and a flow of a few queued per key (the fair share). ``bench.ordered`` with the
+#: same ``flow_key=`` is their control: no flow covers it.
+capped = app.task(name="bench.capped")(_ordered)
+fair = app.task(name="bench.fair")(_ordered)
+
 #: The Redis list of ``"<task id> <monotonic>"``, one per published message.
 PUBLISHED_KEY = f"{env.QUEUE}:published"
 

@@ -52,6 +52,8 @@ ENQUEUE_ROUND = 100
 PARTS = {
     "scheduled": "bench.scheduled:bench_scheduled",
     "flow": "bench.flow:bench_flow",
+    "cap": "bench.flow_keys:bench_cap",
+    "fair": "bench.flow_keys:bench_fair",
 }
 
 

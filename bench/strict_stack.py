@@ -36,9 +36,10 @@ def part_env(**extra: str) -> dict[str, str]:
 
 
 class Worker:
-    """A ``celery worker`` of the bench app; its output goes to a log file."""
+    """A ``celery worker`` of the bench app (prefork, ``concurrency`` processes);
+    its output goes to a log file."""
 
-    def __init__(self, number: int, logs: Path) -> None:
+    def __init__(self, number: int, logs: Path, concurrency: int = CONCURRENCY) -> None:
         self.hostname = f"bench-{env.RUN_ID}-{number}@localhost"
         self.log = logs / f"worker-{number}.log"
         args = [
@@ -51,7 +52,7 @@ class Worker:
             "--pool",
             "prefork",
             "--concurrency",
-            str(CONCURRENCY),
+            str(concurrency),
             "-Q",
             env.QUEUE,
             "--hostname",

@@ -496,6 +496,14 @@ def by_key(
     return ByKey((*unkeyed, *turns), tuple(waiting))
 
 
+def frees_a_place(limits: Limits, key: str, started: Sequence[bool]) -> bool:
+    """Whether the end of a task of ``key`` whose slots were ``started`` (none:
+    its slot is gone, expired) frees a place a waiting row may take. A started
+    task holds a place of the ``running`` limit only: with a ``queued`` limit
+    alone its end frees none, and a row woken for it would only wait again."""
+    return limits.of(key).running is not None or not started or not all(started)
+
+
 @dataclass(frozen=True)
 class Decided:
     """A flow's decision for the rows of one batch."""

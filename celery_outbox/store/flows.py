@@ -28,6 +28,7 @@ from ..flow.core import (
     Use,
     by_key,
     flow_of,
+    frees_a_place,
     grant,
     limits_in_force,
     rates_in_force,
@@ -133,13 +134,20 @@ class FlowQueries(StoreBase):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            self._lock(cursor, flow.name)
+            _, _, stored = self._lock(cursor, flow.name)
+            cursor.execute(
+                f"SELECT started FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND "
+                f"task_id = %s",
+                [flow.name, task_id],
+            )
+            started = [bool(row[0]) for row in cursor.fetchall()]
             cursor.execute(
                 f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND task_id = %s",
                 [flow.name, task_id],
             )
-            freed = int(cursor.rowcount)
-            return self._wake(cursor, key, max(freed, 1))
+            if not frees_a_place(limits_in_force(flow, stored), key, started):
+                return 0
+            return self._wake(cursor, key, max(len(started), 1))
 
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for the flow ``name`` at once, on every relay;

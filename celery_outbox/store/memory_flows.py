@@ -25,6 +25,7 @@ from ..flow.core import (
     Limits,
     Rate,
     by_key,
+    frees_a_place,
     grant,
     limits_in_force,
     rates_in_force,
@@ -123,7 +124,11 @@ class InMemoryFlows:
     def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
         """The slot frees; a parked row of the key is woken."""
         with self._lock:
-            self.slots.setdefault(flow.name, {}).pop(task_id, None)
+            slot = self.slots.setdefault(flow.name, {}).pop(task_id, None)
+            limits = limits_in_force(flow, self.limits.get(flow.name))
+            started = [] if slot is None else [slot.started]
+            if not frees_a_place(limits, key, started):
+                return 0
             return self._wake(key, 1, self.clock())
 
     def set_limits(self, name: str, limits: Limits | None) -> None:

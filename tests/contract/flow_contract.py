@@ -159,6 +159,18 @@ class FlowContract:
         assert (len(again.free), again.waiting) == (1, ())
         assert flows.flows.flow_stats([partner])[0].running == 1
 
+    def test_a_started_task_of_a_queued_limit_wakes_nothing_when_it_ends(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(queued=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a"), of_key("a3", "a")])
+        decided, by_id = self.decide(flows, partner)
+        assert [by_id[i] for i in decided.free] == ["a1"]
+        assert flows.flows.task_started(partner, "a", self.ids["a1"]) == 1
+        # a1 was no longer queued: its end frees no queued place, a3 keeps waiting.
+        assert flows.flows.task_ended(partner, "a", self.ids["a1"]) == 0
+        assert tags(flows.claim(50)[1]) == ["a2"]
+
     def test_a_key_of_its_own_limit_takes_it(self, flows: FlowHarness) -> None:
         partner = keyed_flow(running=1, keys={"vip-*": {"running": 2}})
         flows.enqueue(
