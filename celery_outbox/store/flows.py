@@ -48,6 +48,9 @@ from .notify import CHANNEL
 MINUTE = 60.0
 #: The busiest keys ``outbox flows stats`` shows per flow.
 TOP_KEYS = 10
+#: Rows read at a time while a report looks for its flow's waiting rows of a key
+#: past the other flows' rows of the same key.
+WAKE_PAGE = 100
 
 
 def waiting_reason(flow: str, key: str) -> str:
@@ -118,7 +121,7 @@ class FlowQueries(StoreBase):
             limits = limits_in_force(flow, self._stored_limits(cursor, flow.name))
             if limits.of(key).queued is None:
                 return 0
-            return self._wake(cursor, key, 1)
+            return self._wake(cursor, flow, key, 1)
 
     def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
         """A task of ``key`` ended (however: done, failed, retried, revoked, lost):
@@ -134,7 +137,7 @@ class FlowQueries(StoreBase):
                 [flow.name, task_id],
             )
             freed = int(cursor.rowcount)
-            return self._wake(cursor, key, max(freed, 1))
+            return self._wake(cursor, flow, key, max(freed, 1))
 
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for the flow ``name`` at once, on every relay;
@@ -262,14 +265,26 @@ class FlowQueries(StoreBase):
                 [key, waiting_reason(name, key), *after_params, token, *ids],
             )
 
-    def _wake(self, cursor: Any, key: str, count: int) -> int:
-        """Make the first ``count`` rows waiting for a slot of ``key`` due now."""
-        cursor.execute(
-            f"SELECT id FROM {MESSAGE_TABLE} WHERE flow_key = %s AND state = "
-            f"'{PARKED}' ORDER BY id LIMIT %s{self._for_update()}",
-            [key, count],
-        )
-        ids = [int(row[0]) for row in cursor.fetchall()]
+    def _wake(self, cursor: Any, flow: Flow, key: str, count: int) -> int:
+        """Make the first ``count`` rows of ``flow`` waiting for a slot of ``key`` due
+        now. A key may be a key of other flows too (a tenant's id): their rows wait
+        for their own flow's slots and are passed over, in pages of the key's rows
+        in id order (the first page is the one row wanted when no other flow waits)."""
+        ids: list[int] = []
+        after, page = 0, count
+        while len(ids) < count:
+            cursor.execute(
+                f"SELECT id, task_name FROM {MESSAGE_TABLE} WHERE flow_key = %s AND "
+                f"state = '{PARKED}' AND id > %s ORDER BY id LIMIT %s"
+                f"{self._for_update()}",
+                [key, after, page],
+            )
+            rows = cursor.fetchall()
+            ids.extend(int(i) for i, task in rows if flow.covers(str(task)))
+            if len(rows) < page:
+                break
+            after, page = int(rows[-1][0]), WAKE_PAGE
+        ids = ids[:count]
         if not ids:
             return 0
         cursor.execute(
