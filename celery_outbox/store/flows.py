@@ -48,6 +48,9 @@ from .dialects import (
 MINUTE = 60.0
 #: The busiest keys ``outbox flows stats`` shows per flow.
 TOP_KEYS = 10
+#: Rows read at a time while a report looks for its flow's waiting rows of a key
+#: past the other flows' rows of the same key.
+WAKE_PAGE = 100
 
 
 def waiting_reason(flow: str, key: str) -> str:
@@ -124,7 +127,7 @@ class FlowQueries(StoreBase):
             limits = limits_in_force(flow, self._stored_limits(cursor, flow.name))
             if limits.of(key).queued is None:
                 return 0
-            return self._wake(cursor, key, 1)
+            return self._wake(cursor, flow, key, 1)
 
     def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
         """A task of ``key`` ended (however: done, failed, retried, revoked, lost):
@@ -147,7 +150,7 @@ class FlowQueries(StoreBase):
             )
             if not frees_a_place(limits_in_force(flow, stored), key, started):
                 return 0
-            return self._wake(cursor, key, max(len(started), 1))
+            return self._wake(cursor, flow, key, max(len(started), 1))
 
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for the flow ``name`` at once, on every relay;
@@ -278,17 +281,31 @@ class FlowQueries(StoreBase):
                 [key, waiting_reason(name, key), *after_params, token, *ids],
             )
 
-    def _wake(self, cursor: Any, key: str, count: int) -> int:
-        """Make the first ``count`` rows waiting for a slot of ``key`` due now."""
-        # A plain read (no lock on the index range, which on MySQL would hold off
-        # the enqueues next to it); the flow's row lock keeps reports of one flow
-        # from waking the same rows, and the UPDATE changes only rows still parked.
-        cursor.execute(
-            f"SELECT id FROM {MESSAGE_TABLE} WHERE flow_key = %s AND state = "
-            f"'{PARKED}' AND lease_token IS NULL ORDER BY id LIMIT %s",
-            [key, count],
-        )
-        return self._wake_ids(cursor, [int(row[0]) for row in cursor.fetchall()])
+    def _wake(self, cursor: Any, flow: Flow, key: str, count: int) -> int:
+        """Make the first ``count`` rows of ``flow`` waiting for a slot of ``key`` due
+        now. A key may be a key of other flows too (a tenant's id): their rows wait
+        for their own flow's slots and are passed over, in pages of the key's rows
+        in id order (the first page is the one row wanted when no other flow waits).
+
+        Plain reads (no lock on the index range, which on MySQL would hold off the
+        enqueues next to it): the flow's row lock keeps reports of one flow from
+        waking the same rows, and the UPDATE changes only rows still parked.
+        """
+        ids: list[int] = []
+        after, page = 0, count
+        while len(ids) < count:
+            cursor.execute(
+                f"SELECT id, task_name FROM {MESSAGE_TABLE} WHERE flow_key = %s AND "
+                f"state = '{PARKED}' AND lease_token IS NULL AND id > %s ORDER BY id "
+                f"LIMIT %s",
+                [key, after, page],
+            )
+            rows = cursor.fetchall()
+            ids.extend(int(i) for i, task in rows if flow.covers(str(task)))
+            if len(rows) < page:
+                break
+            after, page = int(rows[-1][0]), WAKE_PAGE
+        return self._wake_ids(cursor, ids[:count])
 
     def _wake_ids(self, cursor: Any, ids: Sequence[int]) -> int:
         """Make the parked rows ``ids`` due now; how many were still parked (a row

@@ -67,8 +67,8 @@ class InMemoryFlows:
         self.limits: dict[str, str | None] = {}
         #: Slots by flow name, by task id.
         self.slots: dict[str, dict[str, _Slot]] = {}
-        #: Parked rows: (row id, task name) by flow key, oldest first.
-        self.parked: dict[str, list[tuple[int, str]]] = {}
+        #: Parked rows: (row id, task name, flow name) by flow key, oldest first.
+        self.parked: dict[str, list[tuple[int, str, str]]] = {}
 
     def reserve(self, flow: Flow, wanted: int) -> Grant:
         """Grant up to ``wanted`` publishes of ``flow`` now, and record them."""
@@ -119,7 +119,7 @@ class InMemoryFlows:
             limits = limits_in_force(flow, self.limits.get(flow.name))
             if limits.of(key).queued is None:
                 return 0
-            return self._wake(key, 1, now)
+            return self._wake(flow.name, key, 1, now)
 
     def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
         """The slot frees; a parked row of the key is woken."""
@@ -129,15 +129,16 @@ class InMemoryFlows:
             started = [] if slot is None else [slot.started]
             if not frees_a_place(limits, key, started):
                 return 0
-            return self._wake(key, 1, self.clock())
+            return self._wake(flow.name, key, 1, self.clock())
 
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for ``name``; parked rows woken."""
         with self._lock:
             self.limits[name] = limits.text() if limits is not None else None
             now = self.clock()
-            for key in list(self.parked):
-                self._wake(key, len(self.parked[key]), now)
+            for key, rows in list(self.parked.items()):
+                for flow in {name for _, _, name in rows}:
+                    self._wake(flow, key, len(rows), now)
 
     def _grant(self, flow: Flow, wanted: int, now: float) -> Grant:
         rates = rates_in_force(flow, self.changed.get(flow.name))
@@ -174,15 +175,17 @@ class InMemoryFlows:
                     name = row.envelope.task_name
             else:
                 name = ""
-            self.parked.setdefault(key, []).append((c.id, name))
+            self.parked.setdefault(key, []).append((c.id, name, flow.name))
 
-    def _wake(self, key: str, count: int, now: float) -> int:
-        """The first ``count`` parked rows of ``key`` due now."""
+    def _wake(self, flow: str, key: str, count: int, now: float) -> int:
+        """The first ``count`` parked rows of ``flow`` and ``key`` due now (the
+        key's rows of other flows wait for their own flow's slots)."""
         found = self.parked.get(key, [])
-        woken, self.parked[key] = found[:count], found[count:]
+        woken = [row for row in found if row[2] == flow][:count]
+        self.parked[key] = [row for row in found if row not in woken]
         if self.tables is not None:
             with self.tables.lock:
-                for row_id, _ in woken:
+                for row_id, _, _ in woken:
                     row = self.tables.rows.get(row_id)
                     if row is not None and row.lease_token is None:
                         self.tables.rows[row_id] = dataclasses.replace(
@@ -216,7 +219,7 @@ class InMemoryFlows:
                     running = per_key[(key, True)] + per_key[(key, False)]
                     slots.append((name, key, running, per_key[(key, False)]))
             parked = Counter(
-                (task, key) for key, rows in self.parked.items() for _, task in rows
+                (task, key) for key, rows in self.parked.items() for _, task, _ in rows
             )
         by_task: Counter[str] = Counter()
         if self.tables is not None:

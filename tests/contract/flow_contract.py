@@ -116,6 +116,25 @@ class FlowContract:
         found = flows.flows.decide(partner, [candidate(m) for m in again], token)
         assert (len(found.free), found.waiting) == (1, ())
 
+    def test_a_slot_freed_wakes_a_row_of_its_flow_not_of_another_flow_of_the_key(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        mailer = Flow(
+            "mailer", ("shop.send_mail",), (), parse_limits({"running": 1}), 300.0
+        )
+        # The partner's rows of key "a" are older: a wake by id alone takes them.
+        flows.enqueue(
+            [of_key("p1", "a"), of_key("p2", "a")]
+            + [of_key(f"m{i}", "a", "shop.send_mail") for i in (1, 2)]
+        )
+        token, messages = flows.claim(50)
+        for each in (partner, mailer):
+            mine = [candidate(m) for m in messages if each.covers(m.envelope.task_name)]
+            assert len(flows.flows.decide(each, mine, token).waiting) == 1
+        assert flows.flows.task_ended(mailer, "a", self.ids["m1"]) == 1
+        assert tags(flows.claim(50)[1]) == ["m2"]
+
     @pytest.fixture(autouse=True)
     def _ids(self, flows: FlowHarness) -> None:
         self.ids: dict[str, str] = {}

@@ -37,6 +37,16 @@ def add(self: Any, x: int, y: int, tag: str = "") -> int:
     return x + y
 
 
+@shared_task(bind=True, name="shop.hold")
+def hold(self: Any, tag: str, seconds: float = 0.0) -> str:
+    """A run's interval: record ``start:<tag>`` (the worker process's pid), hold
+    for ``seconds``, then record ``end:<tag>``."""
+    _record(self, f"start:{tag}", os.getpid())
+    time.sleep(seconds)
+    _record(self, f"end:{tag}")
+    return tag
+
+
 @shared_task(bind=True, name="shop.collect")
 def collect(self: Any, results: list[Any], tag: str) -> int:
     _record(self, tag, sorted(results))
