@@ -140,7 +140,7 @@ class DedupKey(models.Model):
 
     dedup_key = models.CharField(primary_key=True, max_length=255)
     task_id = models.CharField(max_length=255)
-    held_expires_at = models.DateTimeField()
+    held_until = models.DateTimeField()
 
     class Meta:
         db_table = "celery_outbox_dedup_key"

@@ -112,7 +112,7 @@ class FlowQueries(StoreBase):
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
-            self._lock(cursor, flow.name)
+            _, _, stored = self._lock(cursor, flow.name)
             until_sql, until_params = self.dialect.after(flow.lease)
             cursor.execute(
                 f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
@@ -124,8 +124,7 @@ class FlowQueries(StoreBase):
                     cursor, flow, [Candidate(0, key, task_id)], started=True
                 )
                 return 0
-            limits = limits_in_force(flow, self._stored_limits(cursor, flow.name))
-            if limits.of(key).queued is None:
+            if limits_in_force(flow, stored).of(key).queued is None:
                 return 0
             return self._wake(cursor, flow, key, 1)
 
@@ -384,11 +383,6 @@ class FlowQueries(StoreBase):
             f"WHERE name = %s",
             [text, name],
         )
-
-    def _stored_limits(self, cursor: Any, name: str) -> str | None:
-        cursor.execute(f"SELECT limits FROM {FLOW_TABLE} WHERE name = %s", [name])
-        row = cursor.fetchone()
-        return None if row is None or row[0] is None else str(row[0])
 
     def _lock(self, cursor: Any, name: str) -> tuple[str | None, float, str | None]:
         """Lock the flow's row (made if missing); the operator's rates it holds, the
