@@ -10,13 +10,23 @@ that also takes the keys' slots and puts back the rows whose key is at a limit.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from ..conf import OutboxSettings
 from ..engine.gate import RUNNING_SECONDS, Gate, KeyGate
 from ..envelope import StoredMessage
 from ..store.protocol import FlowStore
-from .core import KEY_HEADER, Admission, Candidate, Decided, Flow, flow_of, plan
+from .core import (
+    FLOW_HEADER,
+    KEY_HEADER,
+    Admission,
+    Candidate,
+    Decided,
+    Flow,
+    flow_of,
+    plan,
+)
 
 
 class FlowGate(KeyGate):
@@ -52,14 +62,26 @@ class FlowGate(KeyGate):
         # One transaction per flow, in name order, each short: no relay holds one
         # flow's lock while it waits for another's.
         decisions: dict[str, Decided] = {}
+        slotted: set[str] = set()
         for name, rows in sorted(wanted.items()):
             flow = self._by_name[name]
             if flow.limits and token:
                 decisions[name] = self.store.decide(flow, rows, token)
+                slotted.add(name)
             else:
                 found = self.store.reserve(flow, len(rows))
                 decisions[name] = Decided(found, tuple(c.id for c in rows))
-        return plan(messages, self.flow_name, decisions)
+        admission = plan(messages, self.flow_name, decisions)
+        return self._named(admission, slotted) if slotted else admission
+
+    def _named(self, admission: Admission, slotted: set[str]) -> Admission:
+        """The admitted rows of the ``slotted`` flows (a slot of their key taken)
+        naming their flow (:func:`named`)."""
+        admitted = []
+        for message in admission.admitted:
+            name = self.flow_name(message.envelope.task_name)
+            admitted.append(named(message, name) if name in slotted else message)
+        return dataclasses.replace(admission, admitted=tuple(admitted))
 
 
 def candidate(message: StoredMessage) -> Candidate:
@@ -69,6 +91,21 @@ def candidate(message: StoredMessage) -> Candidate:
     return Candidate(
         message.id, key if isinstance(key, str) and key else None, envelope.task_id
     )
+
+
+def named(message: StoredMessage, flow: str) -> StoredMessage:
+    """``message`` naming ``flow`` in its headers when it took a slot of its key in
+    ``flow``: the worker reports its start and end to the flow its headers name, so
+    they name the flow whose slot the relay took. The sender named the flow of its
+    own settings: none for a row written before the flow was configured (its slot
+    would wait for the lease), or another flow under other settings."""
+    headers = message.envelope.headers
+    if candidate(message).key is None or headers.get(FLOW_HEADER) == flow:
+        return message
+    envelope = dataclasses.replace(
+        message.envelope, headers={**headers, FLOW_HEADER: flow}
+    )
+    return dataclasses.replace(message, envelope=envelope)
 
 
 def gate_for(settings: OutboxSettings, store: FlowStore) -> Gate:

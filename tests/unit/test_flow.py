@@ -21,6 +21,7 @@ from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
 from celery_outbox.flow.core import (
+    FLOW_HEADER,
     KEY_HEADER,
     Decided,
     Flow,
@@ -215,6 +216,35 @@ def test_rows_of_no_flow_cost_the_gate_no_decision() -> None:
     rows = [message(i, envelope(str(i))) for i in range(1, 4)]
     assert gate.admit(rows).admitted == tuple(rows)
     assert store.records == {} and store.changed == {}
+
+
+def test_a_row_that_takes_a_slot_goes_out_naming_the_flow_of_the_slot() -> None:
+    # Sent with a flow key before the flow was configured (no flow header), or
+    # under other settings (another flow): the worker reports its start and end to
+    # the flow its headers name.
+    tables = Tables(FakeClock())
+    outbox = InMemoryStore(tables=tables)
+    keyed_partner = {"tasks": ["shop.call_partner"], "running": 1}
+    flows = load_settings(flows_setting({"partner": keyed_partner})).flows
+    task = {"task": "shop.call_partner"}
+    outbox.add(
+        [
+            envelope("old", task_name=task["task"], headers=task | {KEY_HEADER: "a"}),
+            envelope(
+                "other",
+                task_name=task["task"],
+                headers=task | {KEY_HEADER: "b", FLOW_HEADER: "x"},
+            ),
+            envelope("free"),
+        ]
+    )
+    claim = outbox.claim(50, 30.0)
+    gate = FlowGate(flows, InMemoryFlows(tables=tables))
+    admitted = gate.admit(claim.messages, claim.token).admitted
+    sent = {m.envelope.task_id.split("-")[0]: m.envelope.headers for m in admitted}
+    assert sent["old"][FLOW_HEADER] == "partner"
+    assert sent["other"][FLOW_HEADER] == "partner"
+    assert FLOW_HEADER not in sent["free"]
 
 
 # -- the store's contract, on the twin -------------------------------------------
