@@ -267,7 +267,10 @@ class FlowQueries(StoreBase):
         lease: float,
     ) -> None:
         """Put rows back (this claim's: fenced by ``token``) to wait for a slot of
-        their key: a report wakes them; without one they come back after the lease."""
+        their key: a report wakes them; without one they come back when the key's
+        first slot would free by its lease (the lease of a slot whose task started
+        counts from the start: a row back too early waits again until then only),
+        or after the lease when the key holds none."""
         after_sql, after_params = self.dialect.after(lease)
         by_key: dict[str, list[int]] = {}
         for c in waiting:
@@ -275,9 +278,11 @@ class FlowQueries(StoreBase):
         for key, ids in sorted(by_key.items()):
             cursor.execute(
                 f"UPDATE {MESSAGE_TABLE} SET state = '{PARKED}', flow_key = %s, "
-                f"last_error = %s, available_at = {after_sql}, lease_token = NULL, "
-                f"holder = NULL WHERE lease_token = %s AND id IN ({placeholders(ids)})",
-                [key, waiting_reason(name, key), *after_params, token, *ids],
+                f"last_error = %s, available_at = COALESCE((SELECT MIN(expires_at) "
+                f"FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND flow_key = %s), "
+                f"{after_sql}), lease_token = NULL, holder = NULL WHERE lease_token "
+                f"= %s AND id IN ({placeholders(ids)})",
+                [key, waiting_reason(name, key), name, key, *after_params, token, *ids],
             )
 
     def _wake(self, cursor: Any, flow: Flow, key: str, count: int) -> int:

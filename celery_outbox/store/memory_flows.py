@@ -157,10 +157,15 @@ class InMemoryFlows:
     def _park(
         self, flow: Flow, waiting: Sequence[Candidate], token: str, now: float
     ) -> None:
-        """Rows of this claim put back until a report wakes them, or the lease."""
+        """Rows of this claim put back until a report wakes them, or the key's
+        first slot frees by its lease (the flow's lease when it holds none)."""
         tables = self.tables
+        slots = self.slots.get(flow.name, {}).values()
         for c in waiting:
             key = str(c.key)
+            back = min(
+                (s.expires_at for s in slots if s.key == key), default=now + flow.lease
+            )
             if tables is not None:
                 with tables.lock:
                     row = tables.rows.get(c.id)
@@ -168,7 +173,7 @@ class InMemoryFlows:
                         continue
                     tables.rows[c.id] = dataclasses.replace(
                         row,
-                        available_at=now + flow.lease,
+                        available_at=back,
                         lease_token=None,
                         last_error=waiting_reason(flow.name, key),
                     )

@@ -222,6 +222,28 @@ class FlowContract:
         found = flows.flows.decide(partner, [candidate(m) for m in again], token)
         assert (len(found.free), found.waiting) == (1, ())
 
+    def test_a_row_waiting_for_a_started_slot_comes_back_when_its_lease_ends(
+        self, flows: FlowHarness
+    ) -> None:
+        # The start renews the slot's lease; a row parked before it, back when the
+        # lease counted from the publish ended, waits again until the renewed one
+        # ends, not a whole lease more (a killed worker's key waited two leases).
+        partner = keyed_flow(lease=1.0, running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a")])
+        self.decide(flows, partner)
+        flows.wait(0.5)
+        flows.flows.task_started(partner, "a", self.ids["a1"])
+        flows.wait(0.6)
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2"]
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert len(found.waiting) == 1
+        flows.wait(0.7)
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2"]
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (len(found.free), found.waiting) == (1, ())
+
     def test_an_operator_raises_a_limit_and_the_waiting_rows_come_back(
         self, flows: FlowHarness
     ) -> None:
