@@ -106,24 +106,31 @@ class FlowQueries(StoreBase):
         """A task of ``key`` started on a worker: its slot no longer counts as
         queued and its lease counts from now (made again if it had expired or was
         freed: it runs), and with a ``queued`` limit one parked row of the key is
-        woken."""
+        woken. A task id may hold two slots (a retry published before its run's
+        end was reported): the start is the unstarted one's."""
         with (
             self._translated(),
             transaction.atomic(using=self.alias),
             self.connection.cursor() as cursor,
         ):
             _, _, stored = self._lock(cursor, flow.name)
-            until_sql, until_params = self.dialect.after(flow.lease)
             cursor.execute(
-                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
-                f"WHERE flow = %s AND task_id = %s",
-                [True, *until_params, flow.name, task_id],
+                f"SELECT id FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND task_id = %s "
+                f"ORDER BY started, id LIMIT 1",
+                [flow.name, task_id],
             )
-            if not cursor.rowcount:
+            found = cursor.fetchone()
+            if found is None:
                 self._take_slots(
                     cursor, flow, [Candidate(0, key, task_id)], started=True
                 )
                 return 0
+            until_sql, until_params = self.dialect.after(flow.lease)
+            cursor.execute(
+                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
+                f"WHERE id = %s",
+                [True, *until_params, found[0]],
+            )
             if limits_in_force(flow, stored).of(key).queued is None:
                 return 0
             return self._wake(cursor, flow, key, 1)
@@ -137,16 +144,19 @@ class FlowQueries(StoreBase):
             self.connection.cursor() as cursor,
         ):
             _, _, stored = self._lock(cursor, flow.name)
+            # One run ended: one slot frees, the started one first (a retry
+            # published before this report holds a slot of its own, not started).
             cursor.execute(
-                f"SELECT started FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND "
-                f"task_id = %s",
+                f"SELECT id, started FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND "
+                f"task_id = %s ORDER BY started DESC, id LIMIT 1",
                 [flow.name, task_id],
             )
-            started = [bool(row[0]) for row in cursor.fetchall()]
-            cursor.execute(
-                f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND task_id = %s",
-                [flow.name, task_id],
-            )
+            found = cursor.fetchone()
+            started = [] if found is None else [bool(found[1])]
+            if found is not None:
+                cursor.execute(
+                    f"DELETE FROM {FLOW_SLOT_TABLE} WHERE id = %s", [found[0]]
+                )
             if not frees_a_place(limits_in_force(flow, stored), key, started):
                 return 0
             return self._wake(cursor, flow, key, max(len(started), 1))
@@ -210,9 +220,10 @@ class FlowQueries(StoreBase):
     ) -> dict[str, KeyUse]:
         """The slots each of ``keys`` holds; expired slots of the flow deleted first.
 
-        The slots of the tasks being decided (``deciding``: their task ids) do not
-        count: a row whose publish failed comes back with its slot still taken, and
-        would otherwise wait behind itself until the lease.
+        The unstarted slots of the tasks being decided (``deciding``: their task
+        ids) do not count: a row whose publish failed comes back with its slot
+        still taken, and would otherwise wait behind itself until the lease. A
+        started one does: a retry's row comes before its run reports its end.
         """
         now = self.dialect.now()
         cursor.execute(
@@ -222,9 +233,9 @@ class FlowQueries(StoreBase):
         cursor.execute(
             f"SELECT flow_key, COUNT(*), SUM(CASE WHEN started = %s THEN 0 ELSE 1 END) "
             f"FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND flow_key IN "
-            f"({placeholders(keys)}) AND task_id NOT IN ({placeholders(deciding)}) "
-            f"GROUP BY flow_key",
-            [True, name, *keys, *deciding],
+            f"({placeholders(keys)}) AND (started = %s OR task_id NOT IN "
+            f"({placeholders(deciding)})) GROUP BY flow_key",
+            [True, name, *keys, True, *deciding],
         )
         return {
             str(key): KeyUse(int(running), int(queued or 0))
@@ -239,13 +250,14 @@ class FlowQueries(StoreBase):
         *,
         started: bool = False,
     ) -> None:
-        """A slot for each row that goes (one per task id: a row published again
-        takes its own slot again, not a second one)."""
+        """A slot for each row that goes (a row published again takes its own
+        unstarted slot again, not a second one; a started one is its run's, which
+        its end report frees)."""
         task_ids = [c.task_id for c in going]
         cursor.execute(
-            f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND task_id IN "
-            f"({placeholders(task_ids)})",
-            [flow.name, *task_ids],
+            f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND started = %s AND "
+            f"task_id IN ({placeholders(task_ids)})",
+            [flow.name, False, *task_ids],
         )
         until_sql, until_params = self.dialect.after(flow.lease)
         values = ", ".join([f"(%s, %s, %s, %s, {until_sql})"] * len(going))

@@ -38,6 +38,7 @@ from .memory import Tables
 
 @dataclasses.dataclass
 class _Slot:
+    task_id: str
     key: str
     started: bool
     expires_at: float
@@ -65,8 +66,9 @@ class InMemoryFlows:
         self.paced_until: dict[str, float] = {}
         #: Operator's limits by flow name (``Limits.text``).
         self.limits: dict[str, str | None] = {}
-        #: Slots by flow name, by task id.
-        self.slots: dict[str, dict[str, _Slot]] = {}
+        #: Slots by flow name, oldest first (a task id may hold two: a retry
+        #: published before its run's end was reported).
+        self.slots: dict[str, list[_Slot]] = {}
         #: Parked rows: (row id, task name, flow name) by flow key, oldest first.
         self.parked: dict[str, list[tuple[int, str, str]]] = {}
 
@@ -82,23 +84,25 @@ class InMemoryFlows:
         with self._lock:
             now = self.clock()
             limits = limits_in_force(flow, self.limits.get(flow.name))
-            slots = self.slots.setdefault(flow.name, {})
-            for task_id in [t for t, s in slots.items() if s.expires_at <= now]:
-                del slots[task_id]
+            slots = self.slots.setdefault(flow.name, [])
+            slots[:] = [s for s in slots if s.expires_at > now]
             uses: dict[str, KeyUse] = {}
             deciding = {c.task_id for c in candidates}
-            for task_id, slot in slots.items():
-                if task_id in deciding:  # a failed publish's own slot
-                    continue
+            for slot in slots:
+                if slot.task_id in deciding and not slot.started:
+                    continue  # a failed publish's own slot
                 use = uses.get(slot.key, KeyUse())
                 uses[slot.key] = KeyUse(
                     use.running + 1, use.queued + (not slot.started)
                 )
             found = by_key(candidates, limits, uses)
             granted = self._grant(flow, len(found.free), now)
-            for c in found.free[: granted.granted]:
-                if c.key is not None:
-                    slots[c.task_id] = _Slot(c.key, False, now + flow.lease)
+            going = [c for c in found.free[: granted.granted] if c.key is not None]
+            mine = {c.task_id for c in going}
+            slots[:] = [s for s in slots if s.started or s.task_id not in mine]
+            slots.extend(
+                _Slot(c.task_id, str(c.key), False, now + flow.lease) for c in going
+            )
             self._park(flow, found.waiting, token, now)
         return Decided(
             granted,
@@ -110,10 +114,14 @@ class InMemoryFlows:
         """The slot is started (taken again if gone); with a queued limit, a wake."""
         with self._lock:
             now = self.clock()
-            slot = self.slots.setdefault(flow.name, {}).get(task_id)
-            if slot is None:
-                self.slots[flow.name][task_id] = _Slot(key, True, now + flow.lease)
+            slots = self.slots.setdefault(flow.name, [])
+            mine = sorted(
+                (s for s in slots if s.task_id == task_id), key=lambda s: s.started
+            )
+            if not mine:
+                slots.append(_Slot(task_id, key, True, now + flow.lease))
                 return 0
+            slot = mine[0]
             slot.started = True
             slot.expires_at = now + flow.lease
             limits = limits_in_force(flow, self.limits.get(flow.name))
@@ -124,9 +132,14 @@ class InMemoryFlows:
     def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
         """The slot frees; a parked row of the key is woken."""
         with self._lock:
-            slot = self.slots.setdefault(flow.name, {}).pop(task_id, None)
+            slots = self.slots.setdefault(flow.name, [])
+            mine = sorted(
+                (s for s in slots if s.task_id == task_id), key=lambda s: not s.started
+            )
+            if mine:
+                slots.remove(mine[0])
             limits = limits_in_force(flow, self.limits.get(flow.name))
-            started = [] if slot is None else [slot.started]
+            started = [mine[0].started] if mine else []
             if not frees_a_place(limits, key, started):
                 return 0
             return self._wake(flow.name, key, 1, self.clock())
@@ -160,7 +173,7 @@ class InMemoryFlows:
         """Rows of this claim put back until a report wakes them, or the key's
         first slot frees by its lease (the flow's lease when it holds none)."""
         tables = self.tables
-        slots = self.slots.get(flow.name, {}).values()
+        slots = self.slots.get(flow.name, [])
         for c in waiting:
             key = str(c.key)
             back = min(
@@ -216,9 +229,7 @@ class InMemoryFlows:
             slots: list[tuple[str, str, int, int]] = []
             for name, taken in self.slots.items():
                 per_key: Counter[tuple[str, bool]] = Counter(
-                    (slot.key, slot.started)
-                    for slot in taken.values()
-                    if slot.expires_at > now
+                    (slot.key, slot.started) for slot in taken if slot.expires_at > now
                 )
                 for key in sorted({k for k, _ in per_key}):
                     running = per_key[(key, True)] + per_key[(key, False)]

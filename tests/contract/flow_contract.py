@@ -244,6 +244,49 @@ class FlowContract:
         found = flows.flows.decide(partner, [candidate(m) for m in again], token)
         assert (len(found.free), found.waiting) == (1, ())
 
+    def retry_of(self, tag: str, key: str) -> Envelope:
+        """The row ``self.retry()`` writes for the task ``tag``: its task id again."""
+        return envelope(
+            tag,
+            task_id=self.ids[tag],
+            task_name="shop.call_partner",
+            headers={"task": "shop.call_partner", KEY_HEADER: key},
+        )
+
+    def test_a_retry_waits_for_its_run_to_report_its_end_under_a_running_limit(
+        self, flows: FlowHarness
+    ) -> None:
+        # self.retry() writes the retry's row before the run's end is reported: the
+        # run still holds the key's place until then.
+        partner = keyed_flow(running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("b1", "a")])
+        self.decide(flows, partner)
+        flows.flows.task_started(partner, "a", self.ids["a1"])
+        flows.enqueue([self.retry_of("a1", "a")])
+        decided, _ = self.decide(flows, partner)
+        assert (decided.free, len(decided.waiting)) == ((), 1)
+        flows.flows.task_ended(partner, "a", self.ids["a1"])
+        token, again = flows.claim(50)
+        assert tags(again) == ["b1"]  # the oldest waiting row takes the place
+        flows.flows.decide(partner, [candidate(m) for m in again], token)
+        # b1 runs; the retry waits for the next place.
+        stats = flows.flows.flow_stats([partner])[0]
+        assert [(k.key, k.running, k.waiting) for k in stats.keys] == [("a", 1, 1)]
+
+    def test_a_runs_end_frees_its_own_slot_not_its_retrys(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(queued=1)
+        flows.enqueue([of_key("a1", "a")])
+        self.decide(flows, partner)
+        flows.flows.task_started(partner, "a", self.ids["a1"])
+        flows.enqueue([self.retry_of("a1", "a")])
+        decided, _ = self.decide(flows, partner)
+        assert len(decided.free) == 1  # a started run is not queued
+        flows.flows.task_ended(partner, "a", self.ids["a1"])  # the run's end, late
+        stats = flows.flows.flow_stats([partner])[0]
+        assert (stats.running, stats.queued) == (1, 1)  # the retry, not started
+
     def test_an_operator_raises_a_limit_and_the_waiting_rows_come_back(
         self, flows: FlowHarness
     ) -> None:
