@@ -4,6 +4,7 @@
   end times the tasks record, while the relays publish the other keys' tasks past
   a capped key (more than 2 run at once overall); every task runs once and every
   slot is freed by the worker's reports. On PostgreSQL and MariaDB.
+* A key's tasks that retry (``self.retry()``) hold its cap too.
 * A key shared by two flows (a tenant's id): a slot freed in one flow lets that
   flow's next task of the key go, whatever the other flow's tasks of the key do.
 * ``queued``: a key committed behind another key's backlog of 1,500 tasks starts
@@ -198,6 +199,35 @@ def test_tasks_sent_before_their_flow_was_configured_free_their_slots_too(
     # and its name must reach the worker's reports, or each slot waits 300 s.
     stack = e2e("postgresql", BROKER_AMQP)
     capped_keys(started(stack, settings, flow(running=RUNNING), 8, sender=False))
+
+
+@on("postgresql")
+def test_a_keys_retried_tasks_hold_its_cap_too(e2e: E2EFactory, settings: Any) -> None:
+    # self.retry(countdown=0) writes the retry's row before the run's end is
+    # reported: the run's slot counts until then, and its end frees its own slot.
+    stack = e2e("postgresql", BROKER_AMQP)
+    started(stack, settings, flow(running=RUNNING), 8)
+    alias, prefix = stack.alias, uuid.uuid4().hex[:8]
+    with transaction.atomic(using=alias):
+        for n in range(PER_KEY):
+            send(hold, f"{prefix}:{n}", HOLD / 2, 2, key=f"tenant-{prefix}")
+    wait_until(
+        lambda: len(marks(alias, "end", prefix)) >= 3 * PER_KEY,
+        60,
+        f"{3 * PER_KEY} runs",
+        lambda: f"{len(marks(alias, 'end', prefix))} ended",
+    )
+    runs = intervals(alias, prefix)
+    assert len(runs) == 3 * PER_KEY  # 2 retries each, every run once
+    most = most_at_once(runs.values())
+    print(f"retried: most at once {most} of one key")
+    assert most <= RUNNING, most
+    wait_until(
+        lambda: not FlowSlot.objects.using(alias).filter(flow=FLOW).exists(),
+        10,
+        "every slot to be freed",
+    )
+    stack.assert_alive()
 
 
 #: Seconds partner's long task runs in the test of a key shared by two flows.

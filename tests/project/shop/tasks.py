@@ -38,12 +38,16 @@ def add(self: Any, x: int, y: int, tag: str = "") -> int:
 
 
 @shared_task(bind=True, name="shop.hold")
-def hold(self: Any, tag: str, seconds: float = 0.0) -> str:
+def hold(self: Any, tag: str, seconds: float = 0.0, retries: int = 0) -> str:
     """A run's interval: record ``start:<tag>`` (the worker process's pid), hold
-    for ``seconds``, then record ``end:<tag>``."""
-    _record(self, f"start:{tag}", os.getpid())
+    for ``seconds``, then record ``end:<tag>``. With ``retries``, each run but the
+    last ends with ``self.retry(countdown=0)``; a run's tag then ends ``/<retry>``."""
+    run = f"{tag}/{self.request.retries}" if retries else tag
+    _record(self, f"start:{run}", os.getpid())
     time.sleep(seconds)
-    _record(self, f"end:{tag}")
+    _record(self, f"end:{run}")
+    if self.request.retries < retries:
+        raise self.retry(countdown=0)
     return tag
 
 
