@@ -78,7 +78,10 @@ class OutboxMessage(MessageFields):
     due_at = models.DateTimeField(null=True, blank=True)
     #: Rows waiting for a slot of their flow key only (``state`` ``parked``,
     #: :mod:`celery_outbox.flow`): the key whose worker's report wakes them. NULL
-    #: otherwise, so that the enqueue path never writes it.
+    #: otherwise, so that the enqueue path never writes it. Its index
+    #: (``celery_outbox_flowkey_idx``, migration 0011) holds the parked rows only
+    #: where the database has partial indexes: not declared here, where Django would
+    #: warn on MySQL that it cannot be partial.
     flow_key = models.CharField(max_length=255, null=True, blank=True)
 
     class Meta:
@@ -89,8 +92,6 @@ class OutboxMessage(MessageFields):
             models.Index(fields=["task_id"], name="celery_outbox_task_idx"),
             #: Finds a key's head (its lowest id) for the claim's head rule.
             models.Index(fields=["ordering_key", "id"], name="celery_outbox_key_idx"),
-            #: Finds a flow key's waiting rows when a slot of the key frees.
-            models.Index(fields=["flow_key", "id"], name="celery_outbox_flowkey_idx"),
         ]
 
 

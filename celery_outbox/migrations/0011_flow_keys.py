@@ -1,13 +1,44 @@
 """Flow control per key (docs/flow.md): a slot per running task of a flow key, an
 operator's limits per flow, and the key of the rows that wait for a slot.
 
-``flow_key`` is NULL on every row but those waiting for a slot of their key, so
-the enqueue path never writes it, and its index stays small.
+``flow_key`` is NULL on every row but those parked for a slot of their key, so the
+enqueue path never writes it. Its index holds those rows only (a partial index) on
+PostgreSQL and SQLite: a task with no flow key adds no index entry. MySQL and
+MariaDB have no partial index: there it is a plain index (an entry per row).
 """
 
 from __future__ import annotations
 
-from django.db import migrations, models
+from typing import Any
+
+from django.db import migrations, models, router
+
+INDEX = "celery_outbox_flowkey_idx"
+TABLE = "celery_outbox_message"
+
+
+def _allowed(apps: Any, schema_editor: Any) -> bool:
+    model = apps.get_model("celery_outbox", "outboxmessage")
+    return bool(router.allow_migrate_model(schema_editor.connection.alias, model))
+
+
+def add_index(apps: Any, schema_editor: Any) -> None:
+    if not _allowed(apps, schema_editor):
+        return
+    partial = schema_editor.connection.features.supports_partial_indexes
+    where = " WHERE flow_key IS NOT NULL" if partial else ""
+    schema_editor.execute(f"CREATE INDEX {INDEX} ON {TABLE} (flow_key, id){where}")
+
+
+def drop_index(apps: Any, schema_editor: Any) -> None:
+    if not _allowed(apps, schema_editor):
+        return
+    on = (
+        ""
+        if schema_editor.connection.features.supports_partial_indexes
+        else f" ON {TABLE}"
+    )
+    schema_editor.execute(f"DROP INDEX {INDEX}{on}")
 
 
 class Migration(migrations.Migration):
@@ -21,12 +52,9 @@ class Migration(migrations.Migration):
             name="flow_key",
             field=models.CharField(blank=True, max_length=255, null=True),
         ),
-        migrations.AddIndex(
-            model_name="outboxmessage",
-            index=models.Index(
-                fields=["flow_key", "id"], name="celery_outbox_flowkey_idx"
-            ),
-        ),
+        # Not wrapped in a transaction of its own: MySQL cannot roll DDL back, and
+        # PostgreSQL and SQLite run the whole migration in one.
+        migrations.RunPython(add_index, drop_index, atomic=False),
         migrations.AddField(
             model_name="flowstate",
             name="limits",

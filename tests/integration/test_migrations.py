@@ -130,3 +130,35 @@ def test_an_index_of_the_projects_own_on_task_id_is_left_alone(
     assert "WHERE" in definitions["a_refunds_by_task"]
     assert "WHERE" not in definitions["celery_outbox_task_idx"]
     assert names == ["a_refunds_by_task", "celery_outbox_task_idx"]
+
+
+def flow_key_index(alias: str) -> list[str] | None:
+    """The columns of the flow key's index on the outbox; None when it is missing."""
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(
+            cursor, OutboxMessage._meta.db_table
+        )
+    found = constraints.get("celery_outbox_flowkey_idx")
+    return None if found is None else list(found["columns"])
+
+
+def test_the_flow_key_index_holds_parked_rows_only_where_it_can_and_goes_both_ways(
+    migrated_back_at_the_end: str,
+) -> None:
+    alias = migrated_back_at_the_end
+    connection = connections[alias]
+    assert flow_key_index(alias) == ["flow_key", "id"]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT indexdef FROM pg_indexes WHERE indexname = %s",
+                ["celery_outbox_flowkey_idx"],
+            )
+            (definition,) = cursor.fetchone()
+        # A task with no flow key adds no entry to it.
+        assert "WHERE (flow_key IS NOT NULL)" in definition
+    call_command("migrate", "celery_outbox", "0010", database=alias, verbosity=0)
+    assert flow_key_index(alias) is None
+    call_command("migrate", "celery_outbox", "0011", database=alias, verbosity=0)
+    assert flow_key_index(alias) == ["flow_key", "id"]
