@@ -25,14 +25,17 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-from bench.run import BenchError, Brokers, Child, child_env, child_json
-from bench.strict_stack import CONCURRENCY, WORKERS, Worker, part_env, wait_for_workers
+from bench.run import BenchError, Brokers, child_env, child_json
+from bench.strict_stack import (
+    CONCURRENCY,
+    WORKERS,
+    part_env,
+    running,
+)
 
 RATE = 20
 RELAYS = 2
@@ -46,37 +49,15 @@ def tasks_for(quick: bool) -> int:
     return 100 if quick else 300
 
 
-@contextlib.contextmanager
-def stack(brokers: Brokers) -> Iterator[None]:
+def stack(brokers: Brokers) -> contextlib.AbstractContextManager[None]:
     """Two relays and the workers, running until the block ends."""
-    brokers.amqp_purge()
-    with tempfile.TemporaryDirectory(prefix="bench-flow-") as logs:
-        relays = [
-            Child(
-                ["-m", "django", "outbox", "relay"],
-                part_env(OUTBOX_BENCH_BROKER="amqp"),
-            )
-            for _ in range(RELAYS)
-        ]
-        workers: list[Worker] = []
-        try:
-            workers = [Worker(n, Path(logs)) for n in range(1, WORKERS + 1)]
-            wait_for_workers(workers)
-            run_all(brokers, "bench.ordered", 1, "warm")
-            yield
-        except BenchError:
-            for worker in workers:
-                print(f"--- {worker.hostname}\n{worker.tail()}", file=sys.stderr)
-            raise
-        finally:
-            for worker in workers:
-                worker.quit()
-            for relay in relays:
-                relay.stop(terminate=True)
-            for worker in workers:
-                worker.wait_or_kill()
-            with contextlib.suppress(Exception):
-                brokers.amqp_purge()
+    return running(
+        brokers,
+        "bench-flow-",
+        [part_env(OUTBOX_BENCH_BROKER="amqp") for _ in range(RELAYS)],
+        WORKERS,
+        lambda: run_all(brokers, "bench.ordered", 1, "warm"),
+    )
 
 
 def run_all(brokers: Brokers, task: str, tasks: int, mode: str) -> list[float]:

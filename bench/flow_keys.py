@@ -34,15 +34,13 @@ import contextlib
 import json
 import random
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from bench.run import BenchError, Brokers, Child, child_env, child_json, percentile
-from bench.strict_stack import Worker, part_env, wait_for_workers, warm_up
+from bench.run import BenchError, Brokers, child_env, child_json, percentile
+from bench.strict_stack import part_env, running, warm_up
 
 SETTINGS = "bench.flow_keys_settings"
 CHILD_TIMEOUT = 900.0
@@ -86,35 +84,16 @@ def scenario(name: str, quick: bool, repeats: int | None) -> Scenario:
 # -- the processes -------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def stack(brokers: Brokers, shape: Scenario) -> Iterator[None]:
+def stack(brokers: Brokers, shape: Scenario) -> contextlib.AbstractContextManager[None]:
     """A relay and the scenario's workers, running until the block ends."""
-    brokers.amqp_purge()
-    with tempfile.TemporaryDirectory(prefix="bench-flow-keys-") as logs:
-        relay = Child(
-            ["-m", "django", "outbox", "relay"], part_env(OUTBOX_BENCH_BROKER="amqp")
-        )
-        workers: list[Worker] = []
-        try:
-            workers = [
-                Worker(n, Path(logs), shape.concurrency)
-                for n in range(1, shape.workers + 1)
-            ]
-            wait_for_workers(workers)
-            warm_up(brokers)
-            yield
-        except BenchError:
-            for worker in workers:
-                print(f"--- {worker.hostname}\n{worker.tail()}", file=sys.stderr)
-            raise
-        finally:
-            for worker in workers:
-                worker.quit()
-            relay.stop(terminate=True)
-            for worker in workers:
-                worker.wait_or_kill()
-            with contextlib.suppress(Exception):  # keep the error that ended the run
-                brokers.amqp_purge()
+    return running(
+        brokers,
+        "bench-flow-keys-",
+        [part_env(OUTBOX_BENCH_BROKER="amqp")],
+        shape.workers,
+        lambda: warm_up(brokers),
+        shape.concurrency,
+    )
 
 
 def send(task: str, key: str, calls: Sequence[tuple[str, float]]) -> float:

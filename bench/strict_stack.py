@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from bench import env
@@ -114,32 +114,47 @@ def wait_for_workers(workers: Sequence[Worker]) -> None:
 
 
 @contextlib.contextmanager
-def stack(brokers: Brokers) -> Iterator[None]:
-    """A relay (recording its publishes) and the workers, running until the block ends."""
+def running(
+    brokers: Brokers,
+    prefix: str,
+    relays: Sequence[dict[str, str]],
+    workers: int,
+    warm: Callable[[], object],
+    concurrency: int = CONCURRENCY,
+) -> Iterator[None]:
+    """Relays (one per environment in ``relays``) and ``workers`` workers, warmed up
+    by ``warm``, running until the block ends; the broker's queue emptied around it.
+    On a :class:`BenchError` the workers' last lines are printed."""
     brokers.amqp_purge()
-    with tempfile.TemporaryDirectory(prefix="bench-strict-") as logs:
-        workers: list[Worker] = []
-        relay = Child(
-            ["-m", "django", "outbox", "relay"],
-            part_env(OUTBOX_BENCH_BROKER="amqp", **{env.PUBLISHED_ENV: "1"}),
-        )
+    with tempfile.TemporaryDirectory(prefix=prefix) as logs:
+        children = [Child(["-m", "django", "outbox", "relay"], e) for e in relays]
+        started: list[Worker] = []
         try:
-            workers = [Worker(n, Path(logs)) for n in range(1, WORKERS + 1)]
-            wait_for_workers(workers)
-            warm_up(brokers)
+            started = [
+                Worker(n, Path(logs), concurrency) for n in range(1, workers + 1)
+            ]
+            wait_for_workers(started)
+            warm()
             yield
         except BenchError:
-            for worker in workers:
+            for worker in started:
                 print(f"--- {worker.hostname}\n{worker.tail()}", file=sys.stderr)
             raise
         finally:
-            for worker in workers:
+            for worker in started:
                 worker.quit()
-            relay.stop(terminate=True)
-            for worker in workers:
+            for child in children:
+                child.stop(terminate=True)
+            for worker in started:
                 worker.wait_or_kill()
             with contextlib.suppress(Exception):  # keep the error that ended the run
                 brokers.amqp_purge()
+
+
+def stack(brokers: Brokers) -> contextlib.AbstractContextManager[None]:
+    """A relay (recording its publishes) and the workers, running until the block ends."""
+    relay = part_env(OUTBOX_BENCH_BROKER="amqp", **{env.PUBLISHED_ENV: "1"})
+    return running(brokers, "bench-strict-", [relay], WORKERS, lambda: warm_up(brokers))
 
 
 def warm_up(brokers: Brokers) -> None:
