@@ -10,7 +10,8 @@ the database's, taken by the statements that run after the lock is held.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from django.db import transaction
@@ -108,18 +109,8 @@ class FlowQueries(StoreBase):
         freed: it runs), and with a ``queued`` limit one parked row of the key is
         woken. A task id may hold two slots (a retry published before its run's
         end was reported): the start is the unstarted one's."""
-        with (
-            self._translated(),
-            transaction.atomic(using=self.alias),
-            self.connection.cursor() as cursor,
-        ):
-            _, _, stored = self._lock(cursor, flow.name)
-            cursor.execute(
-                f"SELECT id FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND task_id = %s "
-                f"ORDER BY started, id LIMIT 1",
-                [flow.name, task_id],
-            )
-            found = cursor.fetchone()
+        with self._report(flow) as (cursor, stored):
+            found = self._slot_of(cursor, flow, task_id, started_first=False)
             if found is None:
                 self._take_slots(
                     cursor, flow, [Candidate(0, key, task_id)], started=True
@@ -138,21 +129,11 @@ class FlowQueries(StoreBase):
     def task_ended(self, flow: Flow, key: str, task_id: str) -> int:
         """A task of ``key`` ended (however: done, failed, retried, revoked, lost):
         its slot frees, and a row of the key that waited for it is woken."""
-        with (
-            self._translated(),
-            transaction.atomic(using=self.alias),
-            self.connection.cursor() as cursor,
-        ):
-            _, _, stored = self._lock(cursor, flow.name)
+        with self._report(flow) as (cursor, stored):
             # One run ended: one slot frees, the started one first (a retry
             # published before this report holds a slot of its own, not started).
-            cursor.execute(
-                f"SELECT id, started FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND "
-                f"task_id = %s ORDER BY started DESC, id LIMIT 1",
-                [flow.name, task_id],
-            )
-            found = cursor.fetchone()
-            started = [] if found is None else [bool(found[1])]
+            found = self._slot_of(cursor, flow, task_id, started_first=True)
+            started = [] if found is None else [found[1]]
             if found is not None:
                 cursor.execute(
                     f"DELETE FROM {FLOW_SLOT_TABLE} WHERE id = %s", [found[0]]
@@ -160,6 +141,33 @@ class FlowQueries(StoreBase):
             if not frees_a_place(limits_in_force(flow, stored), key, started):
                 return 0
             return self._wake(cursor, flow, key, max(len(started), 1))
+
+    @contextlib.contextmanager
+    def _report(self, flow: Flow) -> Iterator[tuple[Any, str | None]]:
+        """A worker's report's transaction, under the flow's row lock (the one the
+        relays decide under: a report never misses a row a decision is parking);
+        its cursor and the operator's limits."""
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            _, _, stored = self._lock(cursor, flow.name)
+            yield cursor, stored
+
+    def _slot_of(
+        self, cursor: Any, flow: Flow, task_id: str, *, started_first: bool
+    ) -> tuple[int, bool] | None:
+        """One slot of ``task_id`` (the started or the unstarted one first) and
+        whether it started; None when it holds none."""
+        order = "DESC" if started_first else "ASC"
+        cursor.execute(
+            f"SELECT id, started FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND "
+            f"task_id = %s ORDER BY started {order}, id LIMIT 1",
+            [flow.name, task_id],
+        )
+        row = cursor.fetchone()
+        return None if row is None else (int(row[0]), bool(row[1]))
 
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for the flow ``name`` at once, on every relay;
