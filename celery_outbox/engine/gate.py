@@ -70,7 +70,3 @@ class KeyGate:
     ) -> Settlement:
         """Ordered keys' rows settled as :func:`~celery_outbox.ordering.core.ordered_settlement` says."""
         return ordered_settlement(settlement, published, self.running_seconds)
-
-
-#: The gate of a lane with no limit configured: ordered keys' policy only.
-OPEN = KeyGate()
