@@ -36,7 +36,7 @@ class Gate(Protocol):
         """The rows to publish now and the rows to release with their delays.
 
         ``token``: the claim's lease token, which fences the rows the gate puts
-        back itself (:attr:`~celery_outbox.flow.core.Admission.settled`); without
+        back itself (:attr:`~celery_outbox.flow.core.Admission.parked`); without
         it, nothing is put back by the gate.
 
         Raises :class:`~celery_outbox.exceptions.OutboxDatabaseError` when its

@@ -525,7 +525,7 @@ class Admission:
     held: tuple[Decision, ...] = ()
     #: Rows the gate put back itself (waiting for a slot of their key): the lane
     #: settles nothing for them.
-    settled: tuple[int, ...] = ()
+    parked: tuple[int, ...] = ()
 
 
 def plan(
@@ -543,20 +543,20 @@ def plan(
     """
     go: set[int] = set()
     late: dict[int, Decision] = {}
-    settled: set[int] = set()
+    parked: set[int] = set()
     for name, decided in decisions.items():
         found = decided.grant
         go.update(decided.free[: found.granted])
         for index, row_id in enumerate(decided.free[found.granted :]):
             delay = found.wait + index * found.pace
             late[row_id] = Decision(row_id, Action.RELEASE, delay, _held(name, found))
-        settled.update(decided.waiting)
+        parked.update(decided.waiting)
     held: list[Decision] = []
     stopped: set[str] = set()
     admitted: list[StoredMessage] = []
     for message in sorted(messages, key=lambda m: m.id):
         key = message.envelope.ordering_key
-        if message.id in settled:
+        if message.id in parked:
             if key is not None:
                 stopped.add(key)
             continue
@@ -570,7 +570,7 @@ def plan(
             continue
         if flow_name(message.envelope.task_name) is None or message.id in go:
             admitted.append(message)
-    return Admission(tuple(admitted), tuple(held), tuple(sorted(settled)))
+    return Admission(tuple(admitted), tuple(held), tuple(sorted(parked)))
 
 
 def _held(name: str, found: Grant) -> str:
