@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,14 +52,56 @@ class Idle:
 Observer = Callable[[Any], None]
 
 
+class ObserverFailures:
+    """Observers and hooks that raised: each kind logged once, then counted.
+
+    A kind is the observer's class and the exception's class. Its first failure is
+    logged with the traceback; the later ones are counted, and the count is logged
+    (without a traceback) when it reaches 10, 100, 1,000 and so on. An observer that
+    fails on every batch (a tracing library whose API changed under it) therefore
+    writes a handful of lines a day, never a traceback per batch.
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()
+
+    def failed(self, what: object, error: BaseException, log: logging.Logger) -> None:
+        """Count ``what``'s failure with ``error``; log it if it is due."""
+        kind = (type(what).__qualname__, type(error).__qualname__)
+        with self._lock:
+            self.counts[kind] += 1
+            count = self.counts[kind]
+        if count == 1:
+            log.error(
+                "%r failed; its later failures with %s are counted, not logged",
+                what,
+                kind[1],
+                exc_info=error,
+            )
+        elif _power_of_ten(count):
+            log.error("%r has failed %d times with %s: %s", what, count, kind[1], error)
+
+
+def _power_of_ten(count: int) -> bool:
+    while count % 10 == 0:
+        count //= 10
+    return count == 1
+
+
+#: Every loop's observers and batch hooks, in this process.
+OBSERVER_FAILURES = ObserverFailures()
+
+
 def notify(
     observers: Sequence[Callable[[Any], None]],
     observation: object,
     log: logging.Logger = logger,
 ) -> None:
-    """Hand ``observation`` to every observer; one that raises is logged and skipped."""
+    """Hand ``observation`` to every observer; one that raises is skipped
+    (:data:`OBSERVER_FAILURES` logs it once per kind and counts the rest)."""
     for observer in observers:
         try:
             observer(observation)
-        except Exception:
-            log.exception("observer %r failed", observer)
+        except Exception as exc:
+            OBSERVER_FAILURES.failed(observer, exc, log)

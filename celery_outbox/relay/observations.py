@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..engine.observations import Idle, LoopError, StopReason
+from ..engine.observations import OBSERVER_FAILURES, Idle, LoopError, StopReason
 from ..envelope import StoredMessage
 from ..outcomes import PublishResult, Settlement
 from ..store import SettleReport
@@ -109,12 +109,13 @@ def log_observation(event: RelayObservation) -> None:
 
 @contextlib.contextmanager
 def guarded(hook: BatchHook, messages: Sequence[StoredMessage]) -> Iterator[None]:
-    """Enter a batch hook; a hook that fails is logged and never stops the loop."""
+    """Enter a batch hook; a hook that fails never stops the loop (:data:`OBSERVER_FAILURES`
+    logs it once per kind and counts the rest)."""
     try:
         manager = hook.batch(messages)
         manager.__enter__()
-    except Exception:
-        logger.exception("relay batch hook %r failed", hook)
+    except Exception as exc:
+        OBSERVER_FAILURES.failed(hook, exc, logger)
         yield
         return
     try:
@@ -122,13 +123,13 @@ def guarded(hook: BatchHook, messages: Sequence[StoredMessage]) -> Iterator[None
     except BaseException as exc:
         try:
             manager.__exit__(type(exc), exc, exc.__traceback__)
-        except Exception:
-            logger.exception("relay batch hook %r failed", hook)
+        except Exception as failure:
+            OBSERVER_FAILURES.failed(hook, failure, logger)
         raise
     try:
         manager.__exit__(None, None, None)
-    except Exception:
-        logger.exception("relay batch hook %r failed", hook)
+    except Exception as exc:
+        OBSERVER_FAILURES.failed(hook, exc, logger)
 
 
 __all__ = [

@@ -12,6 +12,7 @@ import pytest
 
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.engine.loop import exit_status
+from celery_outbox.engine.observations import OBSERVER_FAILURES
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
@@ -277,3 +278,42 @@ def test_every_stop_reason_has_one_exit_status_and_only_unfinished_fails() -> No
         StopReason.EMPTY: 0,
         StopReason.UNFINISHED: 1,
     }
+
+
+class BrokenTracing:
+    """A tracing hook whose library changed under it: it raises on every batch."""
+
+    def batch(self, messages: Any) -> Any:
+        raise AttributeError("module 'sentry_sdk' has no attribute 'start_transaction'")
+
+    def __call__(self, event: object) -> None:
+        raise AttributeError("'Span' object has no attribute 'set_tag'")
+
+
+def test_a_hook_that_fails_every_batch_is_logged_once_then_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    world = World()
+    hook = BrokenTracing()
+    world.relay.batch_hooks = [hook]
+    world.relay.observers.append(hook)
+    before = dict(OBSERVER_FAILURES.counts)
+    for batch in range(25):
+        world.enqueue(f"batch-{batch}")
+        world.relay.run_once()
+    # Nothing was lost to the hook: every batch was published.
+    assert len(world.published()) == 25
+    counted = {
+        kind: count - before.get(kind, 0)
+        for kind, count in OBSERVER_FAILURES.counts.items()
+        if kind[0] == "BrokenTracing"
+    }
+    # The hook fails once per batch; as an observer, once per observation.
+    assert counted[("BrokenTracing", "AttributeError")] >= 50
+    lines = [r for r in caplog.records if "BrokenTracing" in r.getMessage()]
+    with_traceback = [r for r in lines if r.exc_info]
+    assert len(with_traceback) == 1
+    assert "counted, not logged" in with_traceback[0].getMessage()
+    # The count is told at 10 and 100 (and so on), never once per batch.
+    assert 1 <= len(lines) - 1 <= 2
+    assert all("has failed" in r.getMessage() for r in lines if not r.exc_info)
