@@ -10,12 +10,22 @@ STAMP := $(VENV)/.installed
 STAGE := $(PYTHON) scripts/stages.py run
 export OUTBOX_STAGES ?= $(CURDIR)/build/stages
 
-.PHONY: demo check test matrix lint bench services tools clean
+.PHONY: demo check test matrix lint bench services tools clean lock
 
-$(STAMP): pyproject.toml
+# The tools (ruff, mypy, pytest, nox, uv...) and every other release the venv holds
+# come from the lock, so a fresh machine today, tomorrow and in CI checks with the same
+# ones; `make lock` resolves it again (an update is a commit). The venv's wheelhouse
+# holds what the package check installs offline (scripts/check_package.py).
+LOCK := requirements/check.txt
+$(STAMP): pyproject.toml $(LOCK)
 	$(STAGE) "venv" -- sh -c "$(PYTHON) -m venv $(VENV) && \
-	  $(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,lint,dev]'"
+	  $(BIN)/pip install --quiet --disable-pip-version-check -c $(LOCK) -e '.[test,lint,dev]' && \
+	  $(BIN)/python scripts/check_package.py --wheelhouse"
 	touch $(STAMP)
+
+lock: $(STAMP)
+	$(BIN)/uv pip compile pyproject.toml --all-extras --universal \
+	  --python-version 3.10 --quiet --upgrade -o $(LOCK)
 
 # The demo needs only the package itself (Django, Celery, kombu): a venv of its own.
 DEMO_VENV := .venv-demo

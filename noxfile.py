@@ -75,11 +75,55 @@ CONTRACT_TESTS = (
     # request class settles them.
     "tests/integration/test_event_endings.py",
 )
+#: What the extras plug into (Sentry, OpenTelemetry, structlog, Prometheus, tqdm):
+#: the oldest session (each extra at its lowest version) and :data:`OLDER_MAJORS`'
+#: sessions run these besides the contract tests; the newest runs them in the suite.
+EXTRA_TESTS = (
+    "tests/integration/test_tracing.py",
+    "tests/integration/test_signals_metrics.py",
+    "tests/unit/test_metrics.py",
+    "tests/unit/test_progress.py",
+    "tests/unit/test_relay_logs.py",
+)
+#: A dependency whose declared range spans two majors: the newest session has the
+#: newest release of the upper one; this contract session installs the newest of the
+#: lower one (``requirement``) and runs :data:`EXTRA_TESTS` too.
+OLDER_MAJORS = (("sentry-sdk<3", ("3.12", "6.0", "5.6")),)
+#: Test companions of a lowest extra, pinned beside it in the oldest session.
+OLDEST_COMPANIONS = (
+    "opentelemetry-sdk==1.30.0",
+    "opentelemetry-instrumentation-celery==0.51b0",
+)
+#: The test tools every session installs at the lock's versions
+#: (requirements/check.txt, ``make lock``), whatever Django and Celery it tests.
+TOOLS = (
+    "pytest",
+    "pytest-django",
+    "pytest-timeout",
+    "pytest-xdist",
+    "pluggy",
+    "execnet",
+    "hypothesis",
+    "selenium",
+    "kubernetes-validate",
+    "msgpack",
+    "pyyaml",
+)
 #: Celery lines whose own integration suite ``nox -s celery_suite`` runs, stock and
 #: through OutboxCelery (tests/celery_suite; not part of ``make test``).
 CELERY_SUITE = ("5.7", "5.6")
-#: The extras whose lower bounds the oldest session installs, besides the core.
-DRIVER_EXTRAS = ("postgres", "mysql", "redis")
+#: The extras whose lower bounds the oldest session installs, besides the core:
+#: every extra a user can ask for (tests/unit/test_packaging.py holds it to that).
+EXTRAS = (
+    "postgres",
+    "mysql",
+    "redis",
+    "prometheus",
+    "sentry",
+    "opentelemetry",
+    "structlog",
+    "progress",
+)
 
 ROOT = Path(__file__).parent
 #: Times every stage of ``make test`` (scripts/stages.py; standard library only).
@@ -92,7 +136,17 @@ import stages  # noqa: E402
 #: relay or worker process it started), so more workers than cores pay.
 WORKERS = os.environ.get("OUTBOX_TEST_WORKERS", "4")
 #: Printed by every session: the versions it really installed.
-SHOWN = ("Django", "celery", "kombu", "amqp", "redis", "psycopg", "PyMySQL")
+SHOWN = (
+    "Django",
+    "celery",
+    "kombu",
+    "amqp",
+    "redis",
+    "psycopg",
+    "PyMySQL",
+    "sentry-sdk",
+    "pytest",
+)
 SHOW = "import sys, importlib.metadata as m; print(*(f'{n} {m.version(n)}' for n in sys.argv[1:]))"
 PYTHONS = sorted({row[0] for row in (NEWEST, OLDEST, *CONTRACT)})
 
@@ -129,10 +183,10 @@ _let_pyenv_answer()
 
 
 def _lowest_pins() -> list[str]:
-    """``name==lower bound`` of the core dependencies and the driver extras."""
+    """``name==lower bound`` of the core dependencies and of every extra."""
     project = nox.project.load_toml(ROOT / "pyproject.toml")["project"]
     declared = list(project["dependencies"])
-    for extra in DRIVER_EXTRAS:
+    for extra in EXTRAS:
         declared += project["optional-dependencies"][extra]
     pins = []
     for line in declared:
@@ -142,7 +196,21 @@ def _lowest_pins() -> list[str]:
             f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
         )
         pins.append(f"{requirement.name}{extras}=={lower}")
-    return pins
+    return pins + list(OLDEST_COMPANIONS)
+
+
+def _tool_constraints(session: nox.Session) -> str:
+    """A constraints file of :data:`TOOLS` at the lock's versions, for ``session``."""
+    wanted = {name.lower() for name in TOOLS}
+    lines = []
+    for line in (ROOT / "requirements" / "check.txt").read_text().splitlines():
+        if line and not line.startswith((" ", "#")):
+            name = Requirement(line).name.lower()
+            if name in wanted:
+                lines.append(line)
+    path = Path(session.create_tmp()) / "tools.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 def _session_id(python: str, django: str, celery: str) -> str:
@@ -164,19 +232,24 @@ def tests(session: nox.Session, django: str, celery: str) -> None:
     """One (Python, Django, Celery) combination of the matrix."""
     row = (session.python, django, celery)
     label = "/".join(str(v) for v in row)
+    older = [req for req, where in OLDER_MAJORS if where == row]
     if row == OLDEST:
-        pins = _lowest_pins()
+        pins, kind = _lowest_pins(), "oldest"
     else:
-        pins = [f"Django=={django}.*", f"celery=={celery}.*"]
-    _install(session, f"{label}: install", "-e", ".[test]", *pins)
+        pins = [f"Django=={django}.*", f"celery=={celery}.*", *older]
+        kind = "newest" if row == NEWEST else "contract"
+    tools = _tool_constraints(session)
+    _install(session, f"{label}: install", "-c", tools, "-e", ".[test]", *pins)
     session.run("python", "-c", SHOW, *SHOWN)
+    env = {"OUTBOX_MATRIX_SESSION": kind}
     # pytest reads pyproject.toml: filterwarnings = error holds in every session.
     if row != NEWEST:
-        _pytest(session, f"{label}: contract tests", *CONTRACT_TESTS)
+        extra = EXTRA_TESTS if row == OLDEST or older else ()
+        _pytest(session, f"{label}: contract tests", *CONTRACT_TESTS, *extra, env=env)
         return
     # The whole suite but the tests that stop a server every session uses or need
     # the machine to themselves (the `serial` mark): the `serial` session has those.
-    _pytest(session, f"{label}: tests", "-n", WORKERS, "-m", "not serial")
+    _pytest(session, f"{label}: tests", "-n", WORKERS, "-m", "not serial", env=env)
 
 
 @nox.session(python=NEWEST[0], tags=["serial"])
@@ -188,6 +261,8 @@ def serial(session: nox.Session) -> None:
     _install(
         session,
         f"{label}: serial install",
+        "-c",
+        _tool_constraints(session),
         "-e",
         ".[test]",
         f"Django=={django}.*",

@@ -15,6 +15,11 @@ transport and makes a Connection, ``postgres`` loads Django's PostgreSQL backend
 and so on, each from the extra's own venv. An extra of ``pyproject.toml`` without a
 promise here fails the check.
 
+Offline: pip resolves from ``.venv/wheelhouse`` alone (``--no-index``), which ``make``
+fills when it builds the venv (``--wheelhouse``: every release the package and its
+extras declare, at the versions of ``requirements/check.txt``), so the check needs no
+network once the venv exists.
+
 A build that prints a deprecation fails the check, so a warning like setuptools'
 "``project.license`` as a TOML table is deprecated" is seen the day it appears.
 """
@@ -30,6 +35,7 @@ import textwrap
 import time
 import venv
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,6 +191,42 @@ def build(source: Path, dist: Path) -> list[Path]:
     return files
 
 
+#: Where ``--wheelhouse`` puts the wheels the package check installs from.
+WHEELHOUSE = ROOT / ".venv" / "wheelhouse"
+#: The pins the wheelhouse is filled at (the development venv's lock).
+LOCK = ROOT / "requirements" / "check.txt"
+
+
+def declared_requirements() -> list[str]:
+    """What ``pip install 'celery-outbox[every extra]'`` asks for, as requirements."""
+    project = _project()
+    found = list(project["dependencies"])
+    for extra in declared_extras():
+        found += project["optional-dependencies"][extra]
+    return found
+
+
+def fill_wheelhouse(where: Path = WHEELHOUSE) -> None:
+    """Download (with network) the wheels the package check will install offline."""
+    where.mkdir(parents=True, exist_ok=True)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--only-binary=:all:",
+            "--constraint",
+            str(LOCK),
+            "--dest",
+            str(where),
+            *declared_requirements(),
+        ]
+    )
+
+
 def fresh_venv(where: Path, requirement: str, base: Path | None = None) -> Path:
     """A new venv with ``requirement`` installed by pip, with what it declares.
 
@@ -205,6 +247,9 @@ def fresh_venv(where: Path, requirement: str, base: Path | None = None) -> Path:
             "install",
             "--quiet",
             "--disable-pip-version-check",
+            "--no-index",
+            "--find-links",
+            str(WHEELHOUSE),
             requirement,
         ]
     )
@@ -288,13 +333,19 @@ for name in sys.argv[2:]:
 
 def declared_extras() -> list[str]:
     """The extras ``pyproject.toml`` offers to users."""
+    extras = _project().get("optional-dependencies", {})
+    return [name for name in extras if name not in DEVELOPMENT_EXTRAS]
+
+
+def _project() -> dict[str, Any]:
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - Python 3.10
         import tomli as tomllib
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = project.get("optional-dependencies", {})
-    return [name for name in extras if name not in DEVELOPMENT_EXTRAS]
+    project: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "project"
+    ]
+    return project
 
 
 def check_extras(top: Path, wheel: Path, base: Path, project: Path) -> list[str]:
@@ -329,6 +380,15 @@ def check_extras(top: Path, wheel: Path, base: Path, project: Path) -> list[str]
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--wheelhouse"]:
+        fill_wheelhouse()
+        return 0
+    if not WHEELHOUSE.is_dir():
+        sys.exit(
+            f"check_package: no {WHEELHOUSE.relative_to(ROOT)}: build the venv with "
+            f"`make .venv/.installed` (or run `python scripts/check_package.py "
+            f"--wheelhouse` once, with network)"
+        )
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="check-package-") as temp:
         top = Path(temp)

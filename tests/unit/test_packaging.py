@@ -8,12 +8,15 @@ release nor accept an untested line.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sys
+from importlib import metadata
 from itertools import product
 from pathlib import Path
 from typing import Any
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -151,3 +154,126 @@ def test_the_license_is_an_spdx_expression_the_build_backend_reads() -> None:
     ]
     assert "76.1.0" not in setuptools.specifier
     assert "77.0.0" in setuptools.specifier
+
+
+# -- every other dependency: a range closed at a major nothing here has tested -------
+
+#: The release lines of the matrix (Django and Celery: the checks above).
+MATRIX_AXES = {"django", "celery"}
+#: The extras that are ours to use, not a user's.
+DEVELOPMENT_EXTRAS = {"test", "lint", "dev"}
+
+
+def user_requirements() -> list[Requirement]:
+    """What ``pip install 'celery-outbox[every extra]'`` may install."""
+    lines = list(PROJECT["dependencies"])
+    for extra, found in PROJECT["optional-dependencies"].items():
+        if extra not in DEVELOPMENT_EXTRAS:
+            lines += found
+    return [Requirement(line) for line in lines]
+
+
+def bounds(requirement: Requirement) -> tuple[Version, Version]:
+    """(lowest admitted, first refused) of a ``>=X,<Y`` requirement."""
+    found = {s.operator: Version(s.version) for s in requirement.specifier}
+    return found[">="], found["<"]
+
+
+def test_every_dependency_is_closed_at_the_next_major_of_what_is_tested() -> None:
+    for requirement in user_requirements():
+        if requirement.name.lower() in MATRIX_AXES:
+            continue
+        operators = {s.operator for s in requirement.specifier}
+        assert operators == {">=", "<"}, (
+            f"{requirement}: declare '>=lowest tested,<next major' (the oldest "
+            f"session installs the lowest, the newest the newest release)"
+        )
+        lowest, refused = bounds(requirement)
+        # '<N' with N a whole major, and the lowest inside the major below it.
+        assert refused.release == (refused.major,), requirement
+        assert lowest.major < refused.major, requirement
+
+
+def test_the_test_extra_asks_for_the_libraries_in_the_users_ranges() -> None:
+    users = {r.name.lower(): r.specifier for r in user_requirements()}
+    for line in PROJECT["optional-dependencies"]["test"]:
+        requirement = Requirement(line)
+        if requirement.name.lower() in users:
+            assert requirement.specifier == users[requirement.name.lower()], line
+
+
+def test_the_oldest_session_installs_every_extra_at_its_lowest() -> None:
+    offered = set(PROJECT["optional-dependencies"]) - DEVELOPMENT_EXTRAS
+    assert set(noxfile_constant("EXTRAS")) == offered
+
+
+def test_each_older_major_session_is_a_session_of_the_matrix_inside_the_range() -> None:
+    users = {r.name.lower(): r.specifier for r in user_requirements()}
+    for line, session in noxfile_constant("OLDER_MAJORS"):
+        requirement = Requirement(line)
+        assert tuple(session) in SESSIONS, line
+        [below] = requirement.specifier
+        assert below.operator == "<", line
+        # Below the newest major the range admits, and above its lowest.
+        lowest = min(Version(s.version) for s in users[requirement.name.lower()])
+        assert lowest < Version(below.version), line
+        assert Version(below.version) in users[requirement.name.lower()], line
+
+
+def lock() -> dict[str, list[tuple[Version, str]]]:
+    """requirements/check.txt: each name's pinned versions, with their markers."""
+    found: dict[str, list[tuple[Version, str]]] = {}
+    for line in (ROOT / "requirements" / "check.txt").read_text().splitlines():
+        if line and not line.startswith((" ", "#")):
+            pinned = Requirement(line)
+            [spec] = pinned.specifier
+            found.setdefault(pinned.name.lower(), []).append(
+                (Version(spec.version), str(pinned.marker or ""))
+            )
+    return found
+
+
+def test_the_lock_pins_every_declared_requirement_inside_its_range() -> None:
+    """``make lock`` was run after the last change to a range in pyproject.toml."""
+    pinned = lock()
+    lines = list(PROJECT["dependencies"])
+    for found in PROJECT["optional-dependencies"].values():
+        lines += found
+    for line in lines:
+        requirement = Requirement(line)
+        if requirement.marker and not requirement.marker.evaluate():
+            continue
+        name = requirement.name.lower()
+        assert name in pinned, f"{name} is not in requirements/check.txt: `make lock`"
+        for version, _ in pinned[name]:
+            assert version in requirement.specifier, (
+                f"requirements/check.txt pins {name} {version} outside {line}: "
+                f"`make lock`"
+            )
+
+
+def test_the_matrix_pins_the_test_tools_the_lock_holds() -> None:
+    pinned = lock()
+    for name in noxfile_constant("TOOLS"):
+        assert name.lower() in pinned, f"noxfile TOOLS names {name}; the lock has not"
+
+
+@pytest.mark.skipif(
+    os.environ.get("OUTBOX_MATRIX_SESSION") not in {"oldest", "newest"},
+    reason="reads what the matrix's oldest and newest sessions installed",
+)
+def test_the_session_installed_the_ends_of_every_range() -> None:
+    """The oldest session has each lowest version; the newest has the top major."""
+    oldest = os.environ["OUTBOX_MATRIX_SESSION"] == "oldest"
+    for requirement in user_requirements():
+        if requirement.name.lower() in MATRIX_AXES:
+            continue
+        installed = Version(metadata.version(requirement.name))
+        lowest, refused = bounds(requirement)
+        if oldest:
+            assert installed == lowest, requirement
+        else:
+            assert installed.major == refused.major - 1, (
+                f"{requirement.name} {installed}: the newest session runs the newest "
+                f"major the range admits"
+            )
