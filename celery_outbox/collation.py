@@ -7,6 +7,12 @@ binary collation of their character set that keeps trailing spaces (``NO PAD``),
 a key means exactly what the caller wrote, as on PostgreSQL and SQLite, whose
 default comparisons are exact already.
 
+The rule is the schema's, not each migration's: every text column of the
+package's tables is exact on MySQL/MariaDB unless :data:`FREE_TEXT` names it, with
+the reason no query compares it (``tests/integration/test_exact_keys.py`` reads
+the migrated schema and fails on any other column). A migration that adds a text
+column runs ``ExactKeys`` on it, or adds it to :data:`FREE_TEXT`.
+
 The model state is left as it is (no ``db_collation`` on the fields): the models
 stay the same on every database, and only MySQL/MariaDB's columns change. A later
 migration that alters one of these columns (``AlterField``) writes the column
@@ -21,14 +27,78 @@ from typing import Any
 
 from django.db.migrations.operations.base import Operation
 
+#: Text no query groups by or matches against a key (it is read back whole, shown
+#: or sent on), so a collation that folds it changes no result: ``(table, columns,
+#: why)``. Every other text column of the package's tables is a key.
+FREE_TEXT: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    (
+        "celery_outbox_message",
+        (
+            "content_type",
+            "content_encoding",
+            "properties",
+            "declare_queues",
+            "arguments_preview",
+            "log_context",
+            "last_error",
+        ),
+        "the broker message and its bookkeeping, read whole and sent or shown",
+    ),
+    (
+        "celery_outbox_message",
+        ("headers",),
+        "JSON sent to the broker; searched only among one task id's rows, for the "
+        "package's strict-row token (row=<uuid hex>), which no collation folds",
+    ),
+    (
+        "celery_outbox_deadletter",
+        (
+            "content_type",
+            "content_encoding",
+            "headers",
+            "properties",
+            "declare_queues",
+            "arguments_preview",
+            "log_context",
+            "last_error",
+        ),
+        "the broker message kept for a replay, read whole and sent or shown",
+    ),
+    ("celery_outbox_history", ("error", "process"), "a reason and host:pid, shown"),
+    ("celery_outbox_relay", ("name",), "host:pid of a relay, shown"),
+    ("celery_outbox_flow", ("rates", "limits"), "an operator's settings, parsed"),
+    ("celery_outbox_handler_message", ("payload",), "JSON, given to the receiver"),
+    ("celery_outbox_handler_shard", ("last_error",), "a receiver's error, shown"),
+    (
+        "celery_outbox_handler_deadletter",
+        ("payload", "last_error"),
+        "JSON and a receiver's error, kept for a replay",
+    ),
+    ("celery_outbox_handler_pause", ("reason",), "an operator's note, shown"),
+    ("celery_outbox_handler_processor", ("name",), "host:pid of a processor, shown"),
+)
 
-def binary_collation(connection: Any, table: str, column: str) -> tuple[str, str]:
-    """The column's collation now, and the exact one of its character set.
 
-    The exact one is the first the server has of ``<charset>_nopad_bin`` (MariaDB),
+def exact_collation(connection: Any, charset: str) -> str:
+    """The exact collation of ``charset`` on this MySQL/MariaDB server.
+
+    The first the server has of ``<charset>_nopad_bin`` (MariaDB),
     ``<charset>_0900_bin`` (MySQL 8.0.17 and later), ``<charset>_bin``: the first two
     keep trailing spaces, the last (older MySQL only) compares exactly otherwise.
     """
+    wanted = [f"{charset}_nopad_bin", f"{charset}_0900_bin", f"{charset}_bin"]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT COLLATION_NAME FROM information_schema.COLLATIONS "
+            "WHERE COLLATION_NAME IN (%s, %s, %s)",
+            wanted,
+        )
+        known = {row[0] for row in cursor.fetchall()}
+    return next(name for name in wanted if name in known)
+
+
+def binary_collation(connection: Any, table: str, column: str) -> tuple[str, str]:
+    """The column's collation now, and the exact one of its character set."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT CHARACTER_SET_NAME, COLLATION_NAME FROM information_schema.COLUMNS "
@@ -36,14 +106,7 @@ def binary_collation(connection: Any, table: str, column: str) -> tuple[str, str
             [table, column],
         )
         charset, current = cursor.fetchone()
-        wanted = [f"{charset}_nopad_bin", f"{charset}_0900_bin", f"{charset}_bin"]
-        cursor.execute(
-            "SELECT COLLATION_NAME FROM information_schema.COLLATIONS "
-            "WHERE COLLATION_NAME IN (%s, %s, %s)",
-            wanted,
-        )
-        known = {row[0] for row in cursor.fetchall()}
-    return str(current), next(name for name in wanted if name in known)
+    return str(current), exact_collation(connection, str(charset))
 
 
 class ExactKeys(Operation):

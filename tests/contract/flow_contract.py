@@ -83,6 +83,12 @@ def tags(messages: Sequence[StoredMessage]) -> list[str]:
     return sorted(m.envelope.task_id.split("-")[0] for m in messages)
 
 
+#: Pairs of keys or names MySQL/MariaDB's default collation (``utf8mb4_general_ci``)
+#: takes for one: case, an accent, a trailing space (it pads), two emoji (it weighs
+#: every character past U+FFFF alike).
+SPELLINGS = (("Tenant-A", "tenant-a"), ("café", "cafe"), ("t", "t "), ("🍎", "🍐"))
+
+
 class FlowContract:
     """What the gate and the operator rely on, on every backend."""
 
@@ -146,6 +152,26 @@ class FlowContract:
             enqueue(envelopes)
 
         flows.enqueue = remembered  # type: ignore[method-assign]
+
+    def test_keys_that_differ_in_case_accent_space_or_emoji_are_distinct(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        keys = [key for pair in SPELLINGS for key in pair]
+        flows.enqueue(
+            [of_key(f"k{i}r{run}", key) for i, key in enumerate(keys) for run in (1, 2)]
+        )
+        decided, by_id = self.decide(flows, partner)
+        assert sorted(by_id[i] for i in decided.free) == [f"k{i}r1" for i in range(8)]
+        stats = flows.flows.flow_stats([partner])[0]
+        # A slot and a waiting row per key, under the key as it was sent.
+        assert sorted((k.key, k.running, k.waiting) for k in stats.keys) == sorted(
+            (key, 1, 1) for key in keys
+        )
+        # The end of the second spelling's task wakes the second spelling's row.
+        for i in range(1, 8, 2):
+            assert flows.flows.task_ended(partner, keys[i], self.ids[f"k{i}r1"]) == 1
+        assert tags(flows.claim(50)[1]) == [f"k{i}r2" for i in range(1, 8, 2)]
 
     def test_a_queued_limit_frees_its_slot_when_the_task_starts(
         self, flows: FlowHarness
@@ -375,6 +401,17 @@ class FlowContract:
     def test_flows_do_not_share_a_window(self, flows: FlowHarness) -> None:
         assert flows.flows.reserve(flow("partner", "2/s"), 5).granted == 2
         assert flows.flows.reserve(flow("mailer", "3/s"), 5).granted == 3
+
+    def test_flows_whose_names_differ_in_case_accent_or_space_do_not_share_a_window(
+        self, flows: FlowHarness
+    ) -> None:
+        names = [name for pair in SPELLINGS[:3] for name in pair]
+        every = [flow(name, "1/m") for name in names]
+        assert [flows.flows.reserve(each, 1).granted for each in every] == [1] * 6
+        stats = flows.flows.flow_stats(every)
+        assert [(s.name, s.published_last_minute) for s in stats] == [
+            (name, 1) for name in names
+        ]
 
     def test_an_operator_changes_the_rates_at_the_next_decision(
         self, flows: FlowHarness

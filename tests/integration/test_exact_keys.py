@@ -1,25 +1,31 @@
 """Every key means exactly what the caller wrote, on every database.
 
 MySQL/MariaDB's default collations fold case, accents and trailing spaces: the
-migrations give the key columns a binary collation there. Each test writes keys that
-differ only in one of those ways and expects them to stay apart.
+migrations give the key columns a binary collation there. The schema is held to it
+as a whole: every text column of the package's tables is exact on MariaDB unless
+``celery_outbox.collation.FREE_TEXT`` says why no query compares it. The other
+tests write keys that differ only in one of those ways and expect them to stay
+apart.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pytest
 from celery import states
+from django.apps import apps
 from django.core.management import call_command
 from django.db import connections, transaction
+from django.utils import timezone
 
+from celery_outbox.collation import FREE_TEXT, exact_collation
 from celery_outbox.handlers import emit
 from celery_outbox.handlers.registry import Category, registry
 from celery_outbox.inbox.models import InboxEntry
-from celery_outbox.models import DedupKey
+from celery_outbox.models import DedupKey, FlowSlot
 from celery_outbox.ordering.core import ordered_settlement
 from celery_outbox.ordering.options import HEADER
 from celery_outbox.outcomes import Settlement
@@ -138,6 +144,147 @@ def test_the_migrations_make_every_key_column_binary_and_go_back(
         call_command("migrate", app, at, database=alias, verbosity=0)
     assert collations(alias) == exact
     assert constraints(alias) == shape
+
+
+def package_tables() -> dict[str, tuple[str, str]]:
+    """Every table of the package (the ``celery_outbox`` app and its sub-apps, as
+    Django's app registry has them): its app label and model name, by table."""
+    return {
+        model._meta.db_table: (config.label, model._meta.model_name or "")
+        for config in apps.get_app_configs()
+        if config.name == "celery_outbox" or config.name.startswith("celery_outbox.")
+        for model in config.get_models()
+        if model._meta.managed and not model._meta.proxy
+    }
+
+
+def free_text() -> set[tuple[str, str]]:
+    """The columns :data:`~celery_outbox.collation.FREE_TEXT` lets fold, by (table, column)."""
+    return {(table, column) for table, columns, _ in FREE_TEXT for column in columns}
+
+
+def folding_columns(
+    alias: str,
+    tables: Mapping[str, tuple[str, str]],
+    allowed: Iterable[tuple[str, str]],
+) -> tuple[set[str], dict[tuple[str, str], str]]:
+    """The tables found, and each text column of ``tables`` (any column with a
+    collation) whose collation is not its character set's exact one and which
+    ``allowed`` does not name, by (table, column): what is wrong and the fix."""
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT TABLE_NAME, COLUMN_NAME, CHARACTER_SET_NAME, COLLATION_NAME FROM "
+            "information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND "
+            f"TABLE_NAME IN ({', '.join(['%s'] * len(tables))})",
+            list(tables),
+        )
+        rows = cursor.fetchall()
+    exempt = set(allowed)
+    exact: dict[str, str] = {}
+    folding: dict[tuple[str, str], str] = {}
+    for table, column, charset, collation in sorted(rows):
+        if collation is None or (table, column) in exempt:
+            continue
+        if charset not in exact:
+            exact[charset] = exact_collation(connection, charset)
+        if collation != exact[charset]:
+            app, model = tables[table]
+            folding[(table, column)] = (
+                f"{table}.{column} is {collation}, which folds case, accents or "
+                f"trailing spaces: make it exact in a migration of {app} with "
+                f"celery_outbox.collation.ExactKeys({model!r}, [{column!r}]) "
+                f"(after any AlterField of it), or, if no query compares it, add it "
+                f"to celery_outbox.collation.FREE_TEXT with the reason"
+            )
+    return {str(row[0]) for row in rows}, folding
+
+
+@pytest.mark.parametrize("alias", MYSQL)
+def test_every_text_column_of_the_package_is_exact_or_named_free_text(
+    alias: str,
+) -> None:
+    call_command("migrate", database=alias, verbosity=0)
+    tables = package_tables()
+    # The registry's tables, not a list here: a new model is checked as it comes.
+    assert {"celery_outbox_message", "celery_outbox_inbox"} <= set(tables)
+    assert "celery_outbox_handler_shard" in tables
+    found, folding = folding_columns(alias, tables, free_text())
+    assert found == set(tables)
+    assert folding == {}, "\n".join(folding.values())
+    # Each exemption names a column that exists and folds: none is left stale.
+    _, unexempted = folding_columns(alias, tables, ())
+    assert free_text() - set(unexempted) == set()
+
+
+@pytest.mark.parametrize("alias", MYSQL)
+def test_the_rule_names_a_folding_column_and_its_fix(alias: str) -> None:
+    table = f"celery_outbox_scratch_{uuid.uuid4().hex[:6]}"
+    with connections[alias].cursor() as cursor:
+        # MariaDB's utf8mb4_bin pads: "t" and "t " are one value even there.
+        cursor.execute(
+            "SELECT _utf8mb4't' COLLATE utf8mb4_bin = _utf8mb4't ', "
+            "_utf8mb4't' COLLATE utf8mb4_nopad_bin = _utf8mb4't '"
+        )
+        assert cursor.fetchone() == (1, 0)
+        cursor.execute(
+            f"CREATE TABLE {table} (id INT PRIMARY KEY, "
+            "folded VARCHAR(10) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci, "
+            "padded VARCHAR(10) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin, "
+            "exact VARCHAR(10) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin, "
+            "note TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci)"
+        )
+    try:
+        found, folding = folding_columns(
+            alias, {table: ("celery_outbox", "scratch")}, {(table, "note")}
+        )
+    finally:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(f"DROP TABLE {table}")
+    assert found == {table}
+    assert sorted(folding) == [(table, "folded"), (table, "padded")]
+    assert folding[(table, "folded")] == (
+        f"{table}.folded is utf8mb4_general_ci, which folds case, accents or "
+        "trailing spaces: make it exact in a migration of celery_outbox with "
+        "celery_outbox.collation.ExactKeys('scratch', ['folded']) (after any "
+        "AlterField of it), or, if no query compares it, add it to "
+        "celery_outbox.collation.FREE_TEXT with the reason"
+    )
+
+
+#: Each app's migration before the ones the schema's rule asked for (0012 and 0013
+#: of the outbox, 0004 of the handlers).
+BEFORE_THE_RULE = {"celery_outbox": "0011", "celery_outbox_handlers": "0003"}
+
+
+@pytest.mark.parametrize("alias", MYSQL)
+def test_the_rules_migrations_keep_the_rows_and_go_back(
+    migrated_back_at_the_end: str,
+) -> None:
+    alias = migrated_back_at_the_end
+    tables = package_tables()
+    for app, at in BEFORE_THE_RULE.items():
+        call_command("migrate", app, at, database=alias, verbosity=0)
+    _, before = folding_columns(alias, tables, free_text())
+    assert {
+        ("celery_outbox_message", "flow_key"),
+        ("celery_outbox_flow", "name"),
+        ("celery_outbox_flow_record", "flow"),
+        ("celery_outbox_flow_slot", "flow"),
+        ("celery_outbox_flow_slot", "flow_key"),
+        ("celery_outbox_flow_slot", "task_id"),
+        ("celery_outbox_handler_shard", "holder"),
+    } <= set(before)
+    FlowSlot.objects.using(alias).create(
+        flow="Partner", flow_key="Tenant-A ", task_id="t1", expires_at=timezone.now()
+    )
+    for app in BEFORE_THE_RULE:
+        call_command("migrate", app, database=alias, verbosity=0)
+    assert folding_columns(alias, tables, free_text())[1] == {}
+    rows = FlowSlot.objects.using(alias).values_list("flow", "flow_key", "task_id")
+    assert list(rows) == [("Partner", "Tenant-A ", "t1")]
+    # Exact now: another spelling finds nothing.
+    assert not FlowSlot.objects.using(alias).filter(flow_key="tenant-a").exists()
 
 
 def keyed(key: str, version: int) -> Any:
