@@ -12,8 +12,11 @@ Two ways in, one outcome:
 * **The workers.** Every revoke broadcast a worker of an ``OutboxCelery`` app
   receives, whoever sent it (``celery control revoke``, Flower, a plain Celery app),
   deletes the rows too: the control class's mailbox gives the worker a
-  :class:`RevokingNode`, which runs Celery's own revoke command, then deletes the
-  rows off the consumer's thread, skipping rows another transaction has locked.
+  :class:`RevokingNode`, which runs Celery's own revoke command, then hands the ids
+  to :data:`WITHDRAWALS`: the process's reporter thread deletes them in batches,
+  skipping rows another transaction has locked, and retries until it is written.
+  A broadcast names the outbox database it is for (:func:`outbox_database`); a
+  worker whose outbox is another database leaves its rows alone.
 
 Whoever deletes a row leaves the result backend as the worker's revoke of the
 message would have (:func:`announce`): the task ``REVOKED`` and, in a chord, its
@@ -24,14 +27,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import itertools
+import json
 import logging
+import os
+import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from celery import Celery
 from celery.app.control import Control
 from celery.app.task import Context
+from celery.signals import worker_shutdown
 from django.apps import apps
 from django.db import connections, transaction
 from kombu.compression import decompress
@@ -39,10 +48,12 @@ from kombu.pidbox import Mailbox, Node
 from kombu.serialization import loads, prepare_accept_content
 
 from .conf import get_settings
+from .engine.backoff import backoff
+from .engine.reports import REPORTER, SHUTDOWN_SECONDS, Reporter
 from .enqueue import require_installed
 from .envelope import Envelope
 from .exceptions import OutboxRevokeError
-from .store import outbox_alias, outbox_stores
+from .store import Stores, outbox_alias, outbox_stores
 
 logger = logging.getLogger("celery_outbox")
 
@@ -50,25 +61,42 @@ logger = logging.getLogger("celery_outbox")
 REVOKED_REASON = "revoked"
 EXPIRED_REASON = "expired"
 
+#: The revoke argument naming the outbox database a broadcast is for.
+DATABASE_ARGUMENT = "outbox_database"
+#: Task ids one deletion of a worker takes: one statement, one transaction.
+BATCH_SIZE = 500
+#: Task ids a worker process holds for deletion; past it, the ids of a revoke are
+#: logged as an error and not deleted by this worker.
+PENDING_LIMIT = 100_000
+#: The backoff of a worker's deletion that failed: first wait and cap (seconds).
+RETRY_BASE_SECONDS = 0.5
+RETRY_MAX_SECONDS = 10.0
+
 
 class RevokingNode(Node):
     """A worker's mailbox node: after Celery's ``revoke`` command, the outbox rows go too."""
 
     def handle(self, method: str, arguments: dict[str, Any] | None = None) -> Any:
-        """Run the control command; for ``revoke``, then delete its tasks' rows."""
-        reply = super().handle(method, arguments)
+        """Run the control command; for ``revoke``, then queue its tasks' deletion.
+
+        The deletion is queued only when the broadcast names this worker's outbox
+        database, or names none (``celery control revoke`` where Django is not set
+        up, Flower, a plain Celery app). Celery's own command runs either way.
+        """
+        if method != "revoke":
+            return super().handle(method, arguments)
+        given = dict(arguments or {})
+        database = given.pop(DATABASE_ARGUMENT, None)
+        reply = super().handle(method, given)
         app = getattr(self.state, "app", None)
-        if method == "revoke" and isinstance(app, Celery):
-            given = (arguments or {}).get("task_id")
-            ids = [given] if isinstance(given, str) else list(given or ())
-            if ids:
-                # Off the consumer's thread: it must not wait for the database.
-                threading.Thread(
-                    target=_withdraw_for_worker,
-                    args=(app, [str(task_id) for task_id in ids]),
-                    name="outbox-revoke",
-                    daemon=True,
-                ).start()
+        task_id = given.get("task_id")
+        ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+        if not ids or not isinstance(app, Celery):
+            return reply
+        if database is None or database == outbox_database():
+            WITHDRAWALS.add(app, [str(one) for one in ids])
+        else:
+            logger.debug("a revoke for another outbox database left alone: %s", ids)
         return reply
 
 
@@ -111,6 +139,33 @@ class OutboxControl(Control):
             raise OutboxRevokeError(ids, exc) from exc
         return reply
 
+    def broadcast(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        """Celery's broadcast; a ``revoke`` names this project's outbox database.
+
+        The workers of another project on the same broker (one RabbitMQ vhost, its
+        own database) then leave their rows alone, whatever the task ids.
+        ``celery control revoke`` comes this way too. Where Django is not set up the
+        database is unknown, and the broadcast names none.
+        """
+        if command == "revoke" and apps.ready:
+            kwargs.setdefault(DATABASE_ARGUMENT, outbox_database())
+        return super().broadcast(command, *args, **kwargs)
+
+
+def outbox_database() -> str:
+    """The name of this process's outbox database in a revoke broadcast.
+
+    A digest of its vendor, host, port and name as the Django settings spell them,
+    the same in every process of a project that spells them the same way; two
+    projects on one broker with databases of their own get different names.
+    """
+    alias = outbox_alias(get_settings())
+    connection = connections[alias]
+    spelled = [connection.vendor] + [
+        str(connection.settings_dict.get(key) or "") for key in ("HOST", "PORT", "NAME")
+    ]
+    return hashlib.sha256(json.dumps(spelled).encode()).hexdigest()[:16]
+
 
 def withdraw(
     app: Celery, task_ids: Sequence[str], *, skip_locked: bool = False
@@ -122,16 +177,19 @@ def withdraw(
     ``skip_locked``, rows another transaction has locked are left to it.
     """
     require_installed()
-    settings = get_settings()
-    deleted = (
-        outbox_stores(settings).operator().revoke(task_ids, skip_locked=skip_locked)
-    )
+    return _withdraw(app, outbox_stores(), task_ids, skip_locked=skip_locked)
+
+
+def _withdraw(
+    app: Celery, stores: Stores, task_ids: Sequence[str], *, skip_locked: bool
+) -> list[str]:
+    deleted = stores.operator().revoke(task_ids, skip_locked=skip_locked)
     if not deleted:
         return []
     ids = list(dict.fromkeys(message.task_id for message in deleted))
     logger.info("revoked before publish (outbox rows deleted): %s", ", ".join(ids))
-    alias = outbox_alias(settings)
-    transaction.on_commit(functools.partial(announce, app, deleted), using=alias)
+    on_commit = functools.partial(announce, app, deleted)
+    transaction.on_commit(on_commit, using=stores.alias)
     return ids
 
 
@@ -227,15 +285,129 @@ def worker_request(app: Celery, message: Envelope) -> Context:
     return Context(request)
 
 
-def _withdraw_for_worker(app: Celery, task_ids: Sequence[str]) -> None:
-    """A worker's part of a revoke broadcast; its own transaction and connection."""
-    try:
-        withdraw(app, task_ids, skip_locked=True)
-    except Exception:
-        logger.exception(
-            "a revoke of %s reached this worker, but their outbox rows could not be "
-            "deleted: the worker drops these tasks, the relay may still publish them",
-            ", ".join(task_ids),
+class Withdrawals:
+    """The task ids a worker process was told to revoke, until their rows are deleted.
+
+    Revoke broadcasts reach the worker's consumer thread (in a prefork worker, the
+    main process), which must not wait for the database: :meth:`add` only puts the
+    ids in a set, so a burst of revokes of one id is one id. The process's reporter
+    thread (:mod:`celery_outbox.engine.reports`) deletes them, up to
+    :data:`BATCH_SIZE` a statement, on its one connection: a burst costs no more
+    threads or connections than a single revoke. A deletion that fails (the
+    database down, out of connections, a lock) keeps its ids and is tried again
+    after the engine's backoff until it is written, or until the worker ends
+    (:meth:`stop`). Reports queued behind it on the reporter wait meanwhile.
+    """
+
+    def __init__(
+        self,
+        reporter: Reporter = REPORTER,
+        random: Callable[[], float] = random.random,
+        limit: int = PENDING_LIMIT,
+    ) -> None:
+        self._reporter = reporter
+        self._random = random
+        self._limit = limit
+        self.forget()
+
+    def forget(self) -> None:
+        """Start empty (a forked child: the ids and the thread are the parent's)."""
+        self._lock = threading.Lock()
+        self._pending: dict[str, None] = {}
+        self._app: Celery | None = None
+        #: A deletion is on the reporter's queue, or running.
+        self._queued = False
+        self._stopping = threading.Event()
+
+    @property
+    def pending(self) -> list[str]:
+        """The ids waiting for deletion."""
+        with self._lock:
+            return list(self._pending)
+
+    def add(self, app: Celery, task_ids: Iterable[str]) -> None:
+        """Queue the deletion of these tasks' rows; never waits for the database."""
+        with self._lock:
+            new = [one for one in dict.fromkeys(task_ids) if one not in self._pending]
+            room = max(self._limit - len(self._pending), 0)
+            self._pending.update(dict.fromkeys(new[:room]))
+            self._app = app
+            send = bool(self._pending) and not self._queued
+            if send:
+                self._queued = True
+                self._stopping.clear()  # a worker started again in this process
+        if new[room:]:
+            logger.error(
+                "%d task ids wait for deletion already: the outbox rows of %s are not "
+                "deleted by this worker (the relay publishes them, and workers that "
+                "remember the revoke drop them); revoke them again once the database "
+                "answers",
+                self._limit,
+                ", ".join(new[room:]),
+            )
+        if send:
+            worker_shutdown.connect(
+                _stop_withdrawals, weak=False, dispatch_uid="celery_outbox.revoke"
+            )
+            self._reporter.send(self._delete, new[0], "revoked")
+
+    def stop(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` for the deletions, then stop retrying; the ids left."""
+        self._reporter.wait(timeout)
+        self._stopping.set()
+        return self.pending
+
+    def _delete(self, stores: Stores) -> int:
+        """The reporter's part: delete batch after batch until none is pending."""
+        deleted = attempt = 0
+        while True:
+            with self._lock:
+                batch = list(itertools.islice(self._pending, BATCH_SIZE))
+                app = self._app
+                if not batch or app is None or self._stopping.is_set():
+                    self._queued = False
+                    return deleted
+            try:
+                deleted += len(_withdraw(app, stores, batch, skip_locked=True))
+            except Exception as exc:
+                attempt += 1
+                self._wait_after(stores, attempt, len(batch), exc)
+                continue
+            attempt = 0
+            with self._lock:
+                for task_id in batch:
+                    self._pending.pop(task_id, None)
+
+    def _wait_after(
+        self, stores: Stores, attempt: int, count: int, exc: Exception
+    ) -> None:
+        delay = backoff(attempt, RETRY_BASE_SECONDS, RETRY_MAX_SECONDS, self._random)
+        logger.warning(
+            "a revoke reached this worker, but the outbox rows of %d task(s) could not "
+            "be deleted (%s: %s): trying again in %.1f s",
+            count,
+            type(exc).__name__,
+            exc,
+            delay,
         )
-    finally:
-        connections.close_all()  # this thread's connections only
+        stores.ordering().reset_connection()  # the next attempt reconnects
+        self._stopping.wait(delay)
+
+
+#: The deletions of this process's worker.
+WITHDRAWALS = Withdrawals()
+os.register_at_fork(after_in_child=WITHDRAWALS.forget)
+
+
+def _stop_withdrawals(**_: Any) -> None:
+    left = WITHDRAWALS.stop(SHUTDOWN_SECONDS)
+    if left:
+        logger.error(
+            "the worker ends before the outbox rows of %d revoked task(s) could be "
+            "deleted (the database did not answer within %.0f s): the relay publishes "
+            "them when they fall due, and a restarted worker no longer remembers the "
+            "revoke; revoke them again: %s",
+            len(left),
+            SHUTDOWN_SECONDS,
+            ", ".join(left),
+        )

@@ -10,6 +10,9 @@ connections before and after every task, leaves the reporter's open. Nothing is
 published on a report's strength before it is committed; a report still queued
 when its process is killed is lost like the report of a task killed with its
 worker, and the lease of what it reports on is the safety net.
+
+A worker's deletions of revoked tasks' rows (``celery_outbox.revoke.Withdrawals``)
+go through the same thread, as one report that retries until its ids are deleted.
 """
 
 from __future__ import annotations

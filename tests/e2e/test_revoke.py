@@ -7,23 +7,32 @@ With a real relay, a real worker and the Redis result backend:
   member revoked before publish completes;
 * Celery's own ``celery control revoke ID`` (a broadcast, no ``Control.revoke()``)
   takes a scheduled task out of the outbox: the worker that receives it deletes the
-  row, so the task does not run after the worker restarts.
+  row, so the task does not run after the worker restarts;
+* a revoke deletes rows only in the outbox database it names: a worker of another
+  project on the same broker keeps its row of the same task id, unless the
+  broadcast names no database (a plain Celery app);
+* a burst of revokes sent one by one deletes every row with at most a couple of
+  database connections per worker process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
-from celery import chord, group
-from django.db import transaction
+from celery import Celery, chord, group
+from django.db import connections, transaction
+from django.test import override_settings
 
 from celery_outbox.models import OutboxMessage
 from tests.e2e.conftest import BROKER_AMQP, Proc, Stack, alias_for, wait_until
@@ -160,3 +169,153 @@ def test_celerys_own_revoke_command_takes_a_scheduled_task_out_of_the_outbox(
     stack.assert_alive()
     assert runs(prefix) == Counter({f"{prefix}-kept": 1})
     assert not OutboxMessage.objects.filter(task_id__in=[revoked, kept]).exists()
+
+
+#: A countdown that keeps a row in the outbox for the whole test (no relay runs).
+FAR = 3600
+
+
+def revoke_arguments(task_id: str) -> dict[str, Any]:
+    """What ``celery control revoke ID`` broadcasts."""
+    return {"task_id": task_id, "terminate": False, "signal": "SIGTERM"}
+
+
+def in_outbox(alias: str, task_id: str) -> bool:
+    return OutboxMessage.objects.using(alias).filter(task_id=task_id).exists()
+
+
+@pytest.mark.django_db(
+    transaction=True, databases=[alias_for("postgresql"), alias_for("mysql")]
+)
+def test_a_revoke_deletes_rows_only_in_the_outbox_database_it_names(
+    e2e: E2EFactory,
+) -> None:
+    """Project P (PostgreSQL) and project Q (MySQL) share a vhost and a task id."""
+    stack = e2e("postgresql", BROKER_AMQP)
+    p_worker = stack.start_worker(concurrency=1)
+    q_alias = alias_for("mysql")
+    stack.env.update(
+        OUTBOX_TEST_DB="mysql",
+        OUTBOX_TEST_DB_NAME=str(connections[q_alias].settings_dict["NAME"]),
+    )
+    q_worker = stack.start_worker(concurrency=1)
+    for worker in (p_worker, q_worker):
+        wait_for_node(worker)
+    shared, marker = str(uuid.uuid4()), str(uuid.uuid4())
+    with transaction.atomic():
+        record.apply_async(("p",), countdown=FAR, task_id=shared)
+    with (
+        override_settings(CELERY_OUTBOX_DATABASE=q_alias),
+        transaction.atomic(using=q_alias),
+    ):
+        record.apply_async(("q",), countdown=FAR, task_id=shared)
+        record.apply_async(("q-marker",), countdown=FAR, task_id=marker)
+    # A plain Celery app on the same broker: its broadcasts name no database.
+    plain = Celery("plain", broker=BROKER_AMQP)
+
+    # P's revoke (a broadcast without P deleting, as `celery control revoke` sends it).
+    app.control.broadcast("revoke", arguments=revoke_arguments(shared))
+    wait_until(lambda: not in_outbox("default", shared), 20, "P's row", p_worker.output)
+    # Fanned out before P's worker got it: Q's worker handles it before the marker.
+    plain.control.broadcast("revoke", arguments=revoke_arguments(marker))
+    wait_until(
+        lambda: not in_outbox(q_alias, marker), 20, "Q's marker", q_worker.output
+    )
+    assert in_outbox(q_alias, shared), "P's revoke deleted project Q's row"
+
+    # A broadcast that names no database is everyone's, as before.
+    plain.control.broadcast("revoke", arguments=revoke_arguments(shared))
+    wait_until(lambda: not in_outbox(q_alias, shared), 20, "Q's row", q_worker.output)
+    stack.assert_alive()
+
+
+#: The burst: revokes sent one by one to this many worker processes.
+BURST = 1000
+BURST_WORKERS = 3
+#: Outbox connections a worker process may hold at any moment during the burst.
+CEILING = 2
+#: The workers' role may hold this many connections in all: a worker that opens
+#: one per revoke takes them from its role, not from the server other runs share.
+ROLE_LIMIT = 24
+
+
+@pytest.fixture
+def burst_role(transactional_db: None) -> Iterator[str]:
+    """A PostgreSQL role of this test for the workers, limited to ROLE_LIMIT."""
+    name = f"outbox_burst_{uuid.uuid4().hex[:8]}"
+    with connections["default"].cursor() as cursor:
+        cursor.execute(f"CREATE ROLE {name} LOGIN CONNECTION LIMIT {ROLE_LIMIT}")
+        for kind in ("TABLES", "SEQUENCES"):
+            cursor.execute(f"GRANT ALL ON ALL {kind} IN SCHEMA public TO {name}")
+    yield name
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+            [name],
+        )
+        cursor.execute(f"DROP OWNED BY {name}")
+        cursor.execute(f"DROP ROLE {name}")
+
+
+@contextlib.contextmanager
+def peak_connections(role: str) -> Iterator[Counter[str]]:
+    """The most connections of ``role`` seen at once, by application name."""
+    peaks: Counter[str] = Counter()
+    done = threading.Event()
+    params = connections["default"].settings_dict
+
+    def sample() -> None:
+        with psycopg.connect(
+            host=params["HOST"],
+            port=params["PORT"],
+            user=params["USER"],
+            dbname=params["NAME"],
+            autocommit=True,
+        ) as conn:
+            while not done.wait(0.01):
+                rows = conn.execute(
+                    "SELECT application_name, count(*) FROM pg_stat_activity "
+                    "WHERE usename = %s GROUP BY 1",
+                    [role],
+                ).fetchall()
+                for name, count in rows:
+                    peaks[name] = max(peaks[name], count)
+
+    sampler = threading.Thread(target=sample, name="peak-connections")
+    sampler.start()
+    try:
+        yield peaks
+    finally:
+        done.set()
+        sampler.join(10)
+
+
+def test_a_burst_of_revokes_deletes_every_row_on_a_few_connections(
+    burst_role: str, e2e: E2EFactory
+) -> None:
+    stack = e2e("postgresql", BROKER_AMQP)
+    stack.env["OUTBOX_PG_USER"] = burst_role
+    workers = []
+    for n in range(BURST_WORKERS):
+        stack.env["OUTBOX_TEST_APP_NAME"] = f"burst-{n}"
+        workers.append(stack.start_worker(concurrency=1))
+    for worker in workers:
+        wait_for_node(worker)
+    with transaction.atomic():
+        ids = [record.apply_async((n,), countdown=FAR).id for n in range(BURST)]
+
+    def left() -> int:
+        return OutboxMessage.objects.filter(task_id__in=ids).count()
+
+    with peak_connections(burst_role) as peaks, app.connection_for_write() as conn:
+        for task_id in ids:  # one by one, as a loop over revoke() sends them
+            app.control.broadcast(
+                "revoke", arguments=revoke_arguments(task_id), connection=conn
+            )
+        deadline = time.monotonic() + 30
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    stack.assert_alive()
+    print(f"peak connections per worker: {dict(peaks)}")
+    too_many = {name: n for name, n in peaks.items() if n > CEILING}
+    assert (left(), too_many) == (0, {}), "\n".join(w.output()[-3000:] for w in workers)
