@@ -1,7 +1,8 @@
 """The support matrix: every Django line with every Celery line, each on one Python.
 
-The newest combination runs the whole suite; every other pair runs the contract tests;
-the oldest installs the lowest version of every dependency ``pyproject.toml`` declares.
+The newest combination runs the whole suite; every other pair runs the contract tests,
+and what depends on one line alone (Celery's, Django's) runs once per line; the
+oldest installs the lowest version of every dependency ``pyproject.toml`` declares.
 ``make matrix`` (the second half of ``make test``, after ``make check``) runs them
 on a pool of slots, the newest first, then the ``serial`` session alone
 (scripts/matrix.py);
@@ -47,33 +48,51 @@ CONTRACT = (
     ("3.13", "6.1", "5.5"),
     ("3.12", "6.1", "5.6"),
 )
-#: What a user relies on whatever the versions: the message Celery would have sent,
-#: delivery through a real relay and worker, the pytest plugin, the migrations (and,
-#: in a second, that the metadata declares what this file tests).
+#: What a user relies on whatever the versions, and what depends on the Django and
+#: the Celery line together: delivery through a real relay and worker, the pytest
+#: plugin, the app's task class (Celery 5.4's Django fix-up replaced it unless it was
+#: passed as an argument), and (in a second) that the metadata declares what this
+#: file tests. Every session runs these.
 CONTRACT_TESTS = (
-    "tests/integration/test_fidelity.py",
     "tests/e2e/test_delivery.py",
     "tests/plugin",
-    "tests/integration/test_migrations.py",
     "tests/unit/test_packaging.py",
-    # The app's task class (the inbox, ordering defaults, a strict replace): Celery
-    # 5.4's Django fix-up replaced it unless it was passed as an argument.
     "tests/unit/test_task_class.py",
-    # The relay's own AMQP frames and the Redis direct path replace py-amqp's and
-    # kombu's work: each py-amqp and kombu the ranges admit checks them.
+)
+#: What depends on the Celery line (Celery, kombu and py-amqp, which each Celery
+#: line pins) and not on Django: the message Celery would have sent; the relay's own
+#: AMQP frames and the Redis direct path, which replace py-amqp's and kombu's work;
+#: what Celery's worker reads from a message the outbox holds (its ETA, the request
+#: a revoke before publish stores); a revoke before publish (the worker's mailbox
+#: node from app.control, celery/worker/pidbox.py, and the backend's chord part
+#: return); an event delivery's hard time limit and lost process (each Celery line
+#: acks, rejects or requeues them its own way, worker/request.py). One session per
+#: Celery line runs these (:data:`CELERY_LINE_SESSIONS`), besides the newest.
+CELERY_LINE_TESTS = (
+    "tests/integration/test_fidelity.py",
     "tests/unit/test_amqpframes.py",
     "tests/unit/test_redis_check.py",
     "tests/integration/test_redis_publisher.py",
-    # What Celery's worker reads from a message the outbox holds (its ETA, the request
-    # a revoke before publish stores): each Celery line reads it its own way.
     "tests/unit/test_worker_reading.py",
-    # A revoke before publish relies on the worker building its mailbox node from
-    # app.control (celery/worker/pidbox.py) and on the backend's chord part return.
     "tests/e2e/test_revoke.py",
-    # An event delivery's hard time limit and lost process: each Celery line acks,
-    # rejects or requeues them its own way (worker/request.py) before the lane's
-    # request class settles them.
     "tests/integration/test_event_endings.py",
+)
+#: What depends on the Django line and not on Celery: the migrations, both ways, on
+#: every database. One session per Django line (:data:`DJANGO_LINE_SESSIONS`).
+DJANGO_LINE_TESTS = ("tests/integration/test_migrations.py",)
+#: For each Celery line, the session besides the newest that runs its tests.
+CELERY_LINE_SESSIONS = (
+    ("3.10", "4.2", "5.4"),
+    ("3.11", "4.2", "5.5"),
+    ("3.12", "4.2", "5.6"),
+    ("3.11", "4.2", "5.7"),
+)
+#: For each Django line, the session besides the newest that runs its tests.
+DJANGO_LINE_SESSIONS = (
+    ("3.10", "4.2", "5.4"),
+    ("3.11", "5.2", "5.4"),
+    ("3.12", "6.0", "5.4"),
+    ("3.12", "6.1", "5.4"),
 )
 #: What the extras plug into (Sentry, OpenTelemetry, structlog, Prometheus, tqdm):
 #: the oldest session (each extra at its lowest version) and :data:`OLDER_MAJORS`'
@@ -244,8 +263,13 @@ def tests(session: nox.Session, django: str, celery: str) -> None:
     env = {"OUTBOX_MATRIX_SESSION": kind}
     # pytest reads pyproject.toml: filterwarnings = error holds in every session.
     if row != NEWEST:
-        extra = EXTRA_TESTS if row == OLDEST or older else ()
-        _pytest(session, f"{label}: contract tests", *CONTRACT_TESTS, *extra, env=env)
+        selected = [
+            *CONTRACT_TESTS,
+            *(CELERY_LINE_TESTS if row in CELERY_LINE_SESSIONS else ()),
+            *(DJANGO_LINE_TESTS if row in DJANGO_LINE_SESSIONS else ()),
+            *(EXTRA_TESTS if row == OLDEST or older else ()),
+        ]
+        _pytest(session, f"{label}: contract tests", *selected, env=env)
         return
     # The whole suite but the tests that stop a server every session uses or need
     # the machine to themselves (the `serial` mark): the `serial` session has those.

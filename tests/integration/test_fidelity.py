@@ -54,7 +54,7 @@ REDIS_URL = "redis://127.0.0.1:6379/14"
 BROKERS = {"amqp": AMQP_URL, "redis": REDIS_URL}
 
 #: How long the relay waits after the call, so a value computed at relay time shows.
-RELAY_DELAY = 1.0
+RELAY_DELAY = 0.3
 #: Slack for microsecond rounding when checking a value against its call window.
 SLACK = dt.timedelta(milliseconds=2)
 

@@ -277,3 +277,21 @@ def test_the_session_installed_the_ends_of_every_range() -> None:
                 f"{requirement.name} {installed}: the newest session runs the newest "
                 f"major the range admits"
             )
+
+
+def test_each_line_runs_its_own_tests_in_one_session_besides_the_newest() -> None:
+    """What depends on one line alone runs once per line, not once per pair."""
+    for constant, axis in (("CELERY_LINE_SESSIONS", 2), ("DJANGO_LINE_SESSIONS", 1)):
+        chosen = [tuple(row) for row in noxfile_constant(constant)]
+        assert set(chosen) <= set(SESSIONS) - {NEWEST}, constant
+        lines = sorted((row[axis] for row in chosen), key=Version)
+        assert lines == (CELERYS if axis == 2 else DJANGOS), constant
+        assert OLDEST in chosen, constant
+    # And no file is in two of the groups, nor left out of all of them.
+    groups = [
+        set(noxfile_constant(name))
+        for name in ("CONTRACT_TESTS", "CELERY_LINE_TESTS", "DJANGO_LINE_TESTS")
+    ]
+    assert sum(len(g) for g in groups) == len(set().union(*groups))
+    for path in set().union(*groups):
+        assert (ROOT / path).exists(), path
