@@ -78,11 +78,23 @@ def build(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
 
 def dispatch(options: dict[str, Any], out: Any, err: Any) -> None:
     """Run what ``options`` (as parsed by :func:`build`'s parser) asks for."""
-    refuse_unholdable(options.values())
+    words = [options.get(word) for word in ("command", "verb")]
+    where = " ".join(str(word) for word in words if isinstance(word, str))
+    for dest, value in options.items():
+        refuse_unholdable(
+            (value,), POSITIONALS.get(dest, f"--{dest.replace('_', '-')}"), where
+        )
     options["run"](options, Streams(out, err))
 
 
-def refuse_unholdable(arguments: Iterable[object]) -> None:
+#: The positional arguments of the grammar, by their option name, as the help
+#: writes them (every other option is its flag).
+POSITIONALS = {"ids": "ID", "task_id": "TASK_ID", "flow": "FLOW", "rates": "RATE"}
+
+
+def refuse_unholdable(
+    arguments: Iterable[object], what: str = "argument", where: str = "outbox"
+) -> None:
     """Refuse, as a usage error, any text among ``arguments`` no row can hold.
 
     A NUL or a lone surrogate (what Python makes of bytes that are not UTF-8 on a
@@ -96,7 +108,7 @@ def refuse_unholdable(arguments: Iterable[object]) -> None:
             if not isinstance(text, str):
                 continue
             try:
-                check_text(text, "argument", "outbox")
+                check_text(text, what, where or "outbox")
             except OutboxValueError as exc:
                 raise CommandError(str(exc), returncode=ExitStatus.USAGE) from None
 
