@@ -54,6 +54,7 @@ from .enqueue import require_installed
 from .envelope import Envelope
 from .exceptions import OutboxRevokeError
 from .store import Stores, outbox_alias, outbox_stores
+from .text import unstorable_at
 
 logger = logging.getLogger("celery_outbox")
 
@@ -121,7 +122,10 @@ class OutboxControl(Control):
         rows still go (no relay can publish them meanwhile anyway), and Celery's
         error is raised, as with Celery.
         """
-        ids = [task_id] if isinstance(task_id, str) else list(task_id)
+        given = [task_id] if isinstance(task_id, str) else list(task_id)
+        # An id no row can hold (a NUL, a lone surrogate: refused at the enqueue) has
+        # no row to delete; asking the database for it would only fail.
+        ids = [each for each in given if unstorable_at(str(each)) is None]
         try:
             reply = super().revoke(task_id, *args, **kwargs)
         except Exception:
@@ -129,7 +133,7 @@ class OutboxControl(Control):
                 with contextlib.suppress(Exception):  # the broker's error says enough
                     withdraw(self.app, ids)
             raise
-        if not apps.ready:
+        if not apps.ready or not ids:
             # Django is not set up here (Flower, a `celery` command): no transaction
             # to join, and the workers that get the broadcast delete the rows.
             return reply

@@ -69,7 +69,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, hidden: bool = False) 
         return argparse.SUPPRESS if hidden else text
 
     parser.add_argument(
-        "--until-empty", action="store_true", help=shown("Exit once no shard is due.")
+        "--until-empty",
+        action="store_true",
+        help=shown(
+            "Exit once no shard is due (0), or 1 at the first pass a database did "
+            "not answer."
+        ),
     )
     parser.add_argument(
         "--lease-seconds",
@@ -310,15 +315,17 @@ def _run_processor(
 
 
 def _run(processor: Any, write: Callable[[str], None]) -> None:
-    from ..engine.loop import exit_status, stop_on_signals
+    from ..engine.loop import stop_on_signals
+    from .exits import ExitStatus, exit_status
 
     with stop_on_signals(processor.stop):
         reason = processor.run()
     write(f"handler processor stopped: {reason.value}")
-    status = exit_status(reason)  # the one mapping of stop reasons, as the relay's
-    if status:
+    status = exit_status(reason)  # the one table of exit statuses, as the relay's
+    if status is not ExitStatus.OK:
         raise CommandError(
-            f"handler processor stopped: {reason.value}: {processor.loop.unfinished}",
+            f"handler processor stopped: {reason.value}: "
+            f"{processor.loop.left.describe()}",
             returncode=status,
         )
 

@@ -36,8 +36,10 @@ def add_relay(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--until-empty",
         action="store_true",
-        help="Exit once no row is due: 0, or 1 naming why when rows this run could "
-        "not publish (a broker outage, a refusal waiting for its retry) are left.",
+        help="Exit once no row is due, or at the first outage: 0 when nothing it "
+        "could send is left; 1 naming the rows left unsent (a broker outage, a "
+        "refusal waiting for its retry) or the database that did not answer; 3 "
+        "when only rows a limit holds back (a flow, an ordered key) are left.",
     )
     for flag, kind, metavar in (
         ("--batch-size", int, "N"),
@@ -69,8 +71,8 @@ def add_relay(parser: argparse.ArgumentParser) -> None:
 
 def run_relay(options: dict[str, Any], streams: Streams) -> None:
     """Run the relay until a signal (or until empty)."""
-    from ..engine.loop import exit_status
     from ..relay.runner import build_relay
+    from .exits import ExitStatus, exit_status
 
     overrides = {name: options[name] for name in _OVERRIDES}
     overrides["until_empty"] = overrides["until_empty"] or None
@@ -91,9 +93,9 @@ def run_relay(options: dict[str, Any], streams: Streams) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     status = exit_status(reason)
-    if status:
+    if status is not ExitStatus.OK:
         raise CommandError(
-            f"relay stopped: {reason.value}: {relay.loop.unfinished}",
+            f"relay stopped: {reason.value}: {relay.loop.left.describe()}",
             returncode=status,
         )
 

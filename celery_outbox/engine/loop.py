@@ -12,6 +12,7 @@ file, the heartbeat thread, and :class:`~.observations.Idle` for its observers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -32,18 +33,34 @@ logger = logging.getLogger("celery_outbox.engine")
 #: An idle lane about to rest at least this long asks when its next work falls due.
 ASK_DUE_AFTER = 0.05
 
-#: The exit status of a command whose loop stopped for each reason (the one place
-#: they are decided): a run that left work it could not do undone fails.
-EXIT_STATUSES = {
-    StopReason.SIGNAL: 0,
-    StopReason.EMPTY: 0,
-    StopReason.UNFINISHED: 1,
-}
 
+@dataclass(frozen=True)
+class Left:
+    """What a run ``until_empty`` leaves behind, as the lane reads it from its state.
 
-def exit_status(reason: StopReason) -> int:
-    """The exit status of a command whose loop stopped for ``reason``."""
-    return EXIT_STATUSES[reason]
+    Read when the run ends, never counted along the way: a row an earlier run put
+    back is as unsent as one this run put back.
+    """
+
+    #: Work the lane could do and has not (rows put back after an outage or a
+    #: refusal, a database that did not answer), and why; None when there is none.
+    unfinished: str | None = None
+    #: Work a limit holds back (a flow's rate, a key at its limit), and how much;
+    #: None when there is none.
+    held: str | None = None
+
+    @property
+    def reason(self) -> StopReason:
+        """Why a run that leaves this stops: unfinished before held before empty."""
+        if self.unfinished is not None:
+            return StopReason.UNFINISHED
+        if self.held is not None:
+            return StopReason.HELD
+        return StopReason.EMPTY
+
+    def describe(self) -> str:
+        """Everything left, in the lane's words ("nothing" when nothing is)."""
+        return "; ".join(p for p in (self.unfinished, self.held) if p) or "nothing"
 
 
 class Turn(enum.Enum):
@@ -74,13 +91,10 @@ class Lane(Protocol):
         """Called once the loop stops (a last settlement, say)."""
         ...
 
-    def unfinished(self) -> str | None:
-        """What this run tried and could not do that is still waiting, and why.
-
-        None when nothing is. With ``until_empty`` the loop stops as
-        :attr:`StopReason.UNFINISHED` once nothing is due (or it would pause) while
-        this says something.
-        """
+    def left(self) -> Left:
+        """The work left, read from the lane's state (its database) when a run
+        ``until_empty`` ends; a lane whose last turn failed says why in
+        :attr:`Left.unfinished`."""
         ...
 
 
@@ -110,9 +124,8 @@ class Pacing:
     #: Touch this file at least every ``liveness_interval`` seconds.
     liveness_file: str | None = None
     liveness_interval: float = 5.0
-    #: Return :attr:`StopReason.EMPTY` once nothing is due, or
-    #: :attr:`StopReason.UNFINISHED` once nothing is due or the lane would pause
-    #: while work it could not do is left.
+    #: Return once nothing is due, or at the first paused turn (an outage, an
+    #: error): with the reason the lane's :meth:`Lane.left` gives.
     until_empty: bool = False
 
 
@@ -145,8 +158,8 @@ class Loop:
         self.stop_at: float | None = None
         self._idle_wait = pacing.min_poll_interval
         self._last_touch = 0.0
-        #: Why the loop stopped as :attr:`StopReason.UNFINISHED` (the lane's words).
-        self.unfinished: str | None = None
+        #: What a run ``until_empty`` left, as the lane said when it ended.
+        self.left = Left()
 
     def stop(self) -> None:
         """Ask the loop to end the turn in hand and return; safe in a signal handler."""
@@ -183,27 +196,27 @@ class Loop:
                     turn = self.lane.turn()
                     if turn not in (Turn.EMPTY, Turn.PAUSED):
                         continue
-                reason = self._until_empty_stop(turn)
-                if reason is not None:
-                    self.lane.finish()
-                    return reason
+                self.lane.finish()
+                return self._until_empty_stop(turn)
             seconds = self._rest_seconds(turn)
             notify(self.observers, Idle(seconds))
             self._rest(seconds, woken_by_rows=turn is not Turn.PAUSED)
         self.lane.finish()
         return StopReason.SIGNAL
 
-    def _until_empty_stop(self, turn: Turn) -> StopReason | None:
-        """Whether a run ``until_empty`` ends after an empty or paused ``turn``.
+    def _until_empty_stop(self, turn: Turn) -> StopReason:
+        """Why a run ``until_empty`` ends after an empty or paused ``turn``.
 
-        Waiting for an outage to end is not "until empty": work the lane tried and
-        could not do ends the run as unfinished, with the lane's reason.
+        Waiting for an outage to end is not "until empty": a paused turn ends the
+        run as unfinished, with the lane's reason when it has one.
         """
-        left = self.lane.unfinished()
-        if left is not None:
-            self.unfinished = left
-            return StopReason.UNFINISHED
-        return StopReason.EMPTY if turn is Turn.EMPTY else None
+        left = self.lane.left()
+        if turn is Turn.PAUSED and left.unfinished is None:
+            left = dataclasses.replace(
+                left, unfinished="paused by an outage or an error (see the log)"
+            )
+        self.left = left
+        return left.reason
 
     def _rest_seconds(self, turn: Turn) -> float:
         if turn is Turn.PAUSED:

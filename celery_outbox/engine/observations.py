@@ -28,9 +28,13 @@ class StopReason(enum.Enum):
     SIGNAL = "signal"
     #: Run with ``until_empty`` and nothing was due.
     EMPTY = "empty"
-    #: Run with ``until_empty``, and work the lane tried and could not do is left
-    #: (rows a broker outage deferred, say): the lane's ``unfinished()`` says what.
+    #: Run with ``until_empty``, and work the lane could do is left undone (rows a
+    #: broker outage deferred, a database that did not answer): the lane's
+    #: ``left()`` says what.
     UNFINISHED = "unfinished"
+    #: Run with ``until_empty``, and all the work left is held back by a limit (a
+    #: flow's rate, a key at its limit, an ordered key's head): ``left()`` says what.
+    HELD = "held"
 
 
 @dataclass(frozen=True)

@@ -573,12 +573,17 @@ def plan(
     return Admission(tuple(admitted), tuple(held), tuple(sorted(parked)))
 
 
+#: How the reason a flow records on every row it holds back begins: the store
+#: counts these rows as held, not unsent (:class:`~celery_outbox.store.types.Leftover`).
+HELD_PREFIX = "held "
+
+
 def _held(name: str, found: Grant) -> str:
-    return f"held by flow {name!r} ({rates_text(found.rates)})"
+    return f"{HELD_PREFIX}by flow {name!r} ({rates_text(found.rates)})"
 
 
 def _behind(key: str) -> str:
-    return f"held behind the held row before it in ordering key {key!r}"
+    return f"{HELD_PREFIX}behind the held row before it in ordering key {key!r}"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ..conf import OutboxSettings, get_settings
 from ..deprecation import deprecated
 from ..engine.heartbeat import Heartbeat, new_member_id
 from ..engine.lease import LeaseKeeper
-from ..engine.loop import Loop, Pacing, Turn
+from ..engine.loop import Left, Loop, Pacing, Turn
 from ..engine.observations import LoopError, StopReason, notify
 from ..exceptions import OutboxDatabaseError
 from ..outcomes import Action
@@ -135,6 +135,8 @@ class Processor:
         self._discovered_at: dict[str, float] = {}
         #: Leases a database error left held, per alias: given back at the next pass.
         self._interrupted: dict[str, list[Lease]] = {}
+        #: Why the last pass failed, if it did.
+        self._failure: str | None = None
         #: This processor's heartbeat id, written on the shards it claims.
         self.member_id = new_member_id()
         self._by_alias = {
@@ -195,9 +197,12 @@ class Processor:
     def finish(self) -> None:
         """Nothing is left to settle: every message settles in its own turn."""
 
-    def unfinished(self) -> str | None:
-        """Nothing is reported: a failed message waits for its retry in its shard."""
-        return None
+    def left(self) -> Left:
+        """Why the last pass failed (a database that did not answer), if it did.
+
+        A failed message waiting for its retry in its shard is not counted.
+        """
+        return Left(unfinished=self._failure)
 
     def run_once(self) -> int:
         """One pass over every database; returns how many shards were claimed."""
@@ -206,12 +211,14 @@ class Processor:
     def _run_once(self) -> tuple[int, bool]:
         claimed = 0
         failed = False
+        self._failure = None
         for alias in self.config.databases:
             store = self._by_alias[alias]
             try:
                 claimed += self._pass(store)
             except OutboxDatabaseError as exc:
                 failed = True
+                self._failure = f"the last pass failed: {exc}"
                 logger.error("handler pass on database %r failed: %s", alias, exc)
                 notify(self.observers, LoopError(f"pass on {alias}", str(exc)))
                 store.reset_connection()

@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..engine.backoff import backoff as engine_backoff
+from ..engine.loop import Left
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
+from ..store.types import Leftover
 
 
 @dataclass(frozen=True)
@@ -169,53 +171,46 @@ def judge_alone(result: PublishResult) -> PublishResult:
     )
 
 
-@dataclass(frozen=True)
-class Unsent:
-    """Rows this run tried to publish and put back unsent: what it could not do.
+def left_of(found: Leftover) -> Left:
+    """What a relay run ``until_empty`` leaves, in words, from the rows ``found``.
 
-    A row deferred by an outage or refused and waiting for its retry is here until
-    a later batch settles it otherwise (published, dead-lettered, held, blocked). A
-    run ``until_empty`` that ends with rows here has not emptied anything: it says
-    so (:meth:`describe`) and fails.
+    Rows put back after an outage or a refusal are work it could have done: the
+    run is unfinished. Rows a limit holds back (a flow, an ordered key's head) are
+    counted apart: the outbox is not empty, and nothing the relay could send is left.
     """
-
-    #: (row id, its latest result), oldest first.
-    rows: tuple[tuple[int, PublishResult], ...] = ()
-
-    def after_batch(
-        self, results: Iterable[PublishResult], settlement: Settlement
-    ) -> Unsent:
-        """The rows left unsent after a batch with these results and settlement."""
-        rows = dict(self.rows)
-        retrying = {d.message_id for d in settlement.retry}
-        changed = False
-        for result in results:
-            if result.outcome is Outcome.OUTAGE or result.message_id in retrying:
-                rows[result.message_id] = result
-                changed = True
-            elif rows.pop(result.message_id, None) is not None:
-                changed = True
-        return Unsent(tuple(rows.items())) if changed else self
-
-    def describe(self) -> str | None:
-        """How many rows wait unsent and why (the latest reason of each kind); None
-        when none does."""
-        if not self.rows:
-            return None
-        outages = [r for _, r in self.rows if r.outcome is Outcome.OUTAGE]
-        refused = [r for _, r in self.rows if r.outcome is not Outcome.OUTAGE]
-        parts = []
-        if outages:
-            parts.append(
-                f"{len(outages)} deferred by a broker outage (no attempt used): "
-                f"{outages[-1].error or 'no reason given'}"
-            )
-        if refused:
-            parts.append(
-                f"{len(refused)} refused by the broker, waiting for their retry: "
-                f"{refused[-1].error or 'no reason given'}"
-            )
-        return (
-            f"{len(self.rows)} row(s) this run could not publish wait in the outbox: "
-            + "; ".join(parts)
+    unfinished = []
+    if found.deferred:
+        unfinished.append(
+            f"{found.deferred} not published, no attempt used (deferred by a broker "
+            f"outage, or not claimed yet): {found.deferred_error or 'no reason recorded'}"
         )
+    if found.retrying:
+        unfinished.append(
+            f"{found.retrying} refused by the broker, waiting for their retry: "
+            f"{found.retrying_error or 'no reason recorded'}"
+        )
+    held = []
+    if found.flow_held:
+        held.append(
+            f"{found.flow_held} held back by a flow (its rate, or a flow key at its "
+            f"limit; 'outbox flows stats' shows them)"
+        )
+    if found.key_held:
+        held.append(
+            f"{found.key_held} held by their ordered key (behind its running or "
+            f"blocked head; 'outbox ordering stats' shows them)"
+        )
+    total = found.deferred + found.retrying
+    return Left(
+        unfinished=(
+            f"{total} row(s) wait in the outbox unsent: " + "; ".join(unfinished)
+            if unfinished
+            else None
+        ),
+        held=(
+            f"{found.flow_held + found.key_held} row(s) held by a limit: "
+            + "; ".join(held)
+            if held
+            else None
+        ),
+    )

@@ -19,7 +19,7 @@ from ..broker import Publisher, describe
 from ..deprecation import deprecated
 from ..engine.gate import Gate, KeyGate
 from ..engine.heartbeat import Heartbeat
-from ..engine.loop import Loop, Pacing, Turn, WakeupSource
+from ..engine.loop import Left, Loop, Pacing, Turn, WakeupSource
 from ..engine.observations import LoopError, StopReason, notify
 from ..engine.waiter import Waiter
 from ..envelope import StoredMessage
@@ -27,7 +27,7 @@ from ..exceptions import OutboxDatabaseError
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from ..store import Claim, RelayStore, SettleReport
 from .config import RelayConfig
-from .core import Breaker, Suspects, Unsent, judge_alone, settle
+from .core import Breaker, Suspects, judge_alone, left_of, settle
 from .observations import (
     BatchHook,
     BatchSettled,
@@ -85,8 +85,8 @@ class Relay:
         self.batch_hooks = list(batch_hooks)
         self.breaker = Breaker(config.breaker_threshold, config.policy.outage_cooldown)
         self.suspects = Suspects(config.isolate_after)
-        #: Rows this run put back unsent (an outage, a refusal waiting for its retry).
-        self.unsent = Unsent()
+        #: Why the last turn could not reach the database, if it could not.
+        self._trouble: str | None = None
         self._unsettled: tuple[str, Settlement] | None = None
         #: Set while :meth:`run` runs with ``config.prefetch`` on a database that
         #: takes concurrent claims.
@@ -169,9 +169,16 @@ class Relay:
         """Seconds until the next scheduled row falls due (the relay wakes for it)."""
         return self._seconds_until_due()
 
-    def unfinished(self) -> str | None:
-        """The rows this run could not publish that wait in the outbox, and why."""
-        return self.unsent.describe()
+    def left(self) -> Left:
+        """The rows left in the outbox, read from it (:func:`.core.left_of`); when
+        it does not answer, why."""
+        try:
+            found = self.store.leftover()
+        except OutboxDatabaseError as exc:
+            self._database_failed("leftover", exc)
+        else:
+            return left_of(found)
+        return Left(unfinished=self._trouble)
 
     def finish(self) -> None:
         """One last try at a settlement a database error left behind."""
@@ -273,7 +280,6 @@ class Relay:
             )
         self._note_breaker(results)
         self.suspects = self.suspects.after_batch(results)
-        self.unsent = self.unsent.after_batch(results, settlement)
         report = self._settle(claim.token, settlement)
         if report is not None:
             event = BatchSettled(
@@ -387,6 +393,10 @@ class Relay:
             notify(self.observers, BreakerOpened(seconds, reason))
 
     def _database_failed(self, stage: str, exc: OutboxDatabaseError) -> None:
+        self._trouble = (
+            f"the outbox database {self.store.alias!r} did not answer ({stage}): "
+            f"{describe(exc)}"
+        )
         notify(self.observers, LoopError(stage, describe(exc)))
         self.store.reset_connection()
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..envelope import Envelope, StoredMessage
+from ..flow.core import HELD_PREFIX
 from ..outcomes import Decision, Settlement
 from ..text import storable
-from .types import Claim, SettleReport
+from .types import Claim, Leftover, SettleReport
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,27 @@ class InMemoryStore:
             ]
         return min(later) - now if later else None
 
+    def leftover(self) -> Leftover:
+        """The rows no claim holds, by what they wait for (no ordered keys here)."""
+        with self._lock:
+            now = self.clock()
+            rows = [
+                r
+                for r in sorted(self._rows.values(), key=lambda row: row.id)
+                if r.lease_token is None
+                and not (r.due_at is not None and r.due_at > now)
+            ]
+        held = [r for r in rows if r.last_error.startswith(HELD_PREFIX)]
+        deferred = [r for r in rows if r not in held and r.attempts == 0]
+        retrying = [r for r in rows if r not in held and r.attempts > 0]
+        return Leftover(
+            deferred=len(deferred),
+            retrying=len(retrying),
+            flow_held=len(held),
+            deferred_error=_latest_error(deferred),
+            retrying_error=_latest_error(retrying),
+        )
+
     def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:
         """Extend the lease of those of ``ids`` that ``token`` still holds."""
         with self._lock:
@@ -267,6 +289,11 @@ class InMemoryStore:
             return False
         self.tables.bury(row, row.attempts + 1, decision.error, now)
         return True
+
+
+def _latest_error(rows: Sequence[Row]) -> str:
+    """The reason recorded on the newest of ``rows`` that has one."""
+    return next((r.last_error for r in reversed(rows) if r.last_error), "")
 
 
 if TYPE_CHECKING:  # mypy checks here that the fake implements the interfaces

@@ -19,6 +19,7 @@ from ..outcomes import Settlement
 from .types import (
     Claim,
     DeadLetterFilter,
+    Leftover,
     Progress,
     PurgeReport,
     ReplayReport,
@@ -83,6 +84,11 @@ class RelayStore(Protocol):
     def seconds_until_due(self) -> float | None:
         """Seconds until the next row not yet due falls due (a scheduled task, a
         retry, a lease's end); None when no row waits."""
+        ...
+
+    def leftover(self) -> Leftover:
+        """The rows no relay holds that wait in the outbox, by what they wait for
+        (scheduled rows and running strict heads aside)."""
         ...
 
     def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:

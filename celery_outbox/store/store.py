@@ -51,10 +51,12 @@ from .dialects import (
     placeholders,
 )
 from .history import HistoryWriter
+from .leftover import read_leftover
 from .notify import HINTS, remember_hint
 from .ordering import RUNNING, KeyedClaims
 from .types import (
     Claim,
+    Leftover,
     SettleReport,
 )
 
@@ -296,6 +298,11 @@ class RelayQueries(KeyedClaims, HistoryWriter):
         if row is None or row[0] is None:
             return None
         return max(0.0, -float(row[0]))
+
+    def leftover(self) -> Leftover:
+        """The rows no relay holds, by what they wait for (:mod:`.leftover`)."""
+        with self._translated(), self.connection.cursor() as cursor:
+            return read_leftover(cursor, self.dialect)
 
     def renew(self, token: str, ids: Sequence[int], lease_seconds: float) -> int:
         """Extend the lease on rows still held under ``token``; returns how many."""

@@ -173,3 +173,28 @@ class PurgeReport:
 
 #: Called after each replayed chunk with (replayed so far, total matched).
 Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """The rows waiting in the outbox that no relay holds, by what they wait for.
+
+    Read by the database clock when a relay run ``--until-empty`` ends. Scheduled
+    rows (before their ETA) and published strict heads waiting for their worker are
+    not counted: no relay may send them now, and nothing is wrong.
+    """
+
+    #: Rows with no attempt used that are not held back: put back by a broker
+    #: outage (their next try after the cooldown), or due and not claimed.
+    deferred: int = 0
+    #: Rows the broker refused, waiting for their next attempt.
+    retrying: int = 0
+    #: Rows a flow holds back: paced by its rate, or parked until a slot of their
+    #: flow key frees.
+    flow_held: int = 0
+    #: Rows behind the head of their ordered key (running or blocked), and blocked
+    #: heads.
+    key_held: int = 0
+    #: The latest reason recorded on a deferred row, and on a retrying row.
+    deferred_error: str = ""
+    retrying_error: str = ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,9 @@ def _test_databases(django_db_setup: None) -> None:
     """This run's test databases exist: :func:`manage` points MySQL's alias at one."""
 
 
-def manage(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
+def manage(
+    *args: str, timeout: float = 120, **environ: str
+) -> subprocess.CompletedProcess[str]:
     """``django-admin <args>`` on the test project, with ``environ`` added."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.project.settings", **environ}
     env["PYTHONPATH"] = str(ROOT)
@@ -47,7 +50,7 @@ def manage(*args: str, **environ: str) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 
@@ -87,6 +90,28 @@ def test_an_unreachable_database_is_named_with_its_alias() -> None:
     assert "Check that the outbox database runs and that DATABASES['default']" in (
         done.stderr
     )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["outbox", "relay"], ["outbox", "handlers", "run", "--database", "default"]],
+    ids=" ".join,
+)
+def test_until_empty_with_its_database_down_fails_within_seconds(
+    command: list[str],
+) -> None:
+    # Waiting for the database to come back is not "until empty": a deploy step
+    # that drains must fail, now, saying which database did not answer.
+    started = time.monotonic()
+    try:
+        done = manage(*command, "--until-empty", timeout=30, OUTBOX_PG_PORT="1")
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(command)} --until-empty still ran after 30 s")
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < 20
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "'default'" in done.stderr and "Connection refused" in done.stderr, last
 
 
 @pytest.fixture

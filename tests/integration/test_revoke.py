@@ -148,6 +148,18 @@ def test_an_unknown_task_id_changes_nothing(on_alias: str) -> None:
     assert waiting(on_alias) == [kept]
 
 
+@pytest.mark.parametrize("bad", ["\ud800", "\x00"], ids=["surrogate", "nul"])
+def test_an_id_no_row_can_hold_is_revoked_as_with_celery(
+    on_alias: str, bad: str
+) -> None:
+    # No row holds such an id (the enqueue refuses it): nothing to delete, and the
+    # database, which is up, must not be blamed.
+    revoked, kept = committed(on_alias, "revoked", "kept")
+    app.control.revoke(bad, destination=NO_WORKER)
+    app.control.revoke([bad, revoked], destination=NO_WORKER)
+    assert waiting(on_alias) == [kept]
+
+
 @contextlib.contextmanager
 def mailbox_probe() -> Iterator[Callable[[str], dict[str, Any]]]:
     """A queue on the workers' mailbox exchange; yields ``received(task_id)``, the
@@ -189,6 +201,14 @@ def test_the_broadcast_to_the_workers_still_goes_out() -> None:
     assert body["arguments"]["terminate"] is True
     assert body["arguments"]["signal"] == "SIGKILL"
     assert waiting("default") == []
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_the_broadcast_of_an_id_no_row_can_hold_still_goes_out() -> None:
+    with mailbox_probe() as received:
+        app.control.revoke("\x00", terminate=True)
+        body = received("\x00")
+    assert body["arguments"]["terminate"] is True
 
 
 REVOKE_IN_A_PROCESS = """

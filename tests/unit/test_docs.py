@@ -53,3 +53,17 @@ def test_the_choosing_page_sets_every_lane_side_by_side_and_is_linked() -> None:
         assert "choosing.md" in (ROOT / page).read_text(), page
     # Tasks can be ordered (ordering_key, strict): no page may say otherwise.
     assert "no ordering." not in (ROOT / "docs" / "handlers.md").read_text()
+
+
+def test_the_reference_prints_the_one_table_of_exit_statuses() -> None:
+    from celery_outbox.cli.exits import ExitStatus
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    table = text.split("### Exit statuses", 1)[1].split("###", 1)[0]
+    rows = [
+        line.split("|")[1:3]
+        for line in table.splitlines()
+        if line.startswith("| ") and line[2].isdigit()
+    ]
+    printed = {int(number): name.strip().strip("`") for number, name in rows}
+    assert printed == {status.value: status.name for status in ExitStatus}

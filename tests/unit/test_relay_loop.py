@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from celery_outbox.broker import InMemoryPublisher
-from celery_outbox.engine.loop import exit_status
+from celery_outbox.cli.exits import ExitStatus, exit_status
 from celery_outbox.engine.observations import OBSERVER_FAILURES
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
@@ -232,9 +232,9 @@ def test_until_empty_with_the_broker_down_ends_unfinished_naming_why(
     world.publisher.down = True
     world.enqueue(*[f"t{n}" for n in range(rows)])
     assert world.relay.run() is StopReason.UNFINISHED
-    left = world.relay.loop.unfinished
+    left = world.relay.loop.left.unfinished
     assert left is not None
-    assert "deferred by a broker outage (no attempt used)" in left
+    assert f"{rows} not published, no attempt used (deferred by a broker outage" in left
     assert "ConnectionRefusedError: down" in left
     assert world.store.pending() == rows
     assert {r.attempts for r in world.store.rows} == {0}
@@ -247,9 +247,9 @@ def test_until_empty_ends_unfinished_while_a_refused_row_waits_for_its_retry() -
     world.enqueue("poison")
     assert world.relay.run() is StopReason.UNFINISHED
     assert world.published() == good
-    left = world.relay.loop.unfinished
+    left = world.relay.loop.left.unfinished
     assert left is not None
-    assert left.startswith("1 row(s) this run could not publish wait in the outbox")
+    assert left.startswith("1 row(s) wait in the outbox unsent")
     assert f"refused by the broker, waiting for their retry: {REFUSED}" in left
     # Once it is dead-lettered nothing waits unsent: the run is done.
     world.clock.advance(60)
@@ -274,10 +274,32 @@ def test_rows_an_outage_deferred_and_a_later_batch_published_leave_nothing_unfin
 
 def test_every_stop_reason_has_one_exit_status_and_only_unfinished_fails() -> None:
     assert {reason: exit_status(reason) for reason in StopReason} == {
-        StopReason.SIGNAL: 0,
-        StopReason.EMPTY: 0,
-        StopReason.UNFINISHED: 1,
+        StopReason.SIGNAL: ExitStatus.OK,
+        StopReason.EMPTY: ExitStatus.OK,
+        StopReason.UNFINISHED: ExitStatus.FAILED,
+        StopReason.HELD: ExitStatus.HELD,
     }
+
+
+def test_rows_an_earlier_run_deferred_leave_the_next_run_unfinished() -> None:
+    # The second run finds nothing due (the cooldown is not over) and claims
+    # nothing: what it leaves is read from the outbox, not from its own turns.
+    world = World(until_empty=True)
+    world.publisher.down = True
+    world.enqueue("a", "b")
+    assert world.relay.run() is StopReason.UNFINISHED
+    again = Relay(
+        world.store,
+        InMemoryPublisher(),
+        world.relay.config,
+        clock=world.clock,
+        waiter=FakeWaiter(world.clock),
+    )
+    assert again.run() is StopReason.UNFINISHED
+    left = again.loop.left.unfinished
+    assert left is not None
+    assert "2 not published, no attempt used" in left
+    assert "ConnectionRefusedError: down" in left
 
 
 class BrokenTracing:

@@ -17,6 +17,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         grammar.build(parser, {"called_from_command_line": True})
 
+    def run_from_argv(self, argv: list[str]) -> None:
+        grammar.run(self, argv)  # text no row can hold: refused before parsing
+
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             grammar.dispatch(options, self.stdout, self.stderr)

@@ -21,6 +21,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         deprecated.add_ordering_command(parser, {"called_from_command_line": True})
 
+    def run_from_argv(self, argv: list[str]) -> None:
+        grammar.run(self, argv)  # text no row can hold: refused before parsing
+
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             grammar.dispatch(options, self.stdout, self.stderr)
