@@ -227,7 +227,9 @@ def _tool_constraints(session: nox.Session) -> str:
             name = Requirement(line).name.lower()
             if name in wanted:
                 lines.append(line)
-    path = Path(session.create_tmp()) / "tools.txt"
+    # Beside the session's venv: session.create_tmp() would point TMPDIR into the
+    # checkout, where pytester's inner runs would find this project's pyproject.toml.
+    path = Path(session.virtualenv.location) / "tools.txt"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
