@@ -210,8 +210,9 @@ def test_a_revoke_deletes_rows_only_in_the_outbox_database_it_names(
     ):
         record.apply_async(("q",), countdown=FAR, task_id=shared)
         record.apply_async(("q-marker",), countdown=FAR, task_id=marker)
-    # A plain Celery app on the same broker: its broadcasts name no database.
-    plain = Celery("plain", broker=BROKER_AMQP)
+    # A plain Celery app on the same broker: its broadcasts name no database. Not
+    # the current app: the tests after this one send through the project's app.
+    plain = Celery("plain", broker=BROKER_AMQP, set_as_current=False)
 
     # P's revoke (a broadcast without P deleting, as `celery control revoke` sends it).
     app.control.broadcast("revoke", arguments=revoke_arguments(shared))
