@@ -61,7 +61,7 @@ check: lint
 test:
 	@$(PYTHON) scripts/stages.py clear
 	@status=0; $(MAKE) --no-print-directory tools check matrix || status=1; \
-	$(PYTHON) scripts/stages.py report; exit $$status
+	$(PYTHON) scripts/stages.py report || status=1; exit $$status
 
 # The support matrix (noxfile.py, run by scripts/matrix.py): the whole suite on the
 # newest versions (on pytest-xdist) and the contract tests of every other pair, sharing

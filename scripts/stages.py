@@ -12,6 +12,13 @@ they ran and their slowest ones (``tests/conftest.py``). ``report`` prints the s
 in the order they started, beside the figure recorded for each in
 ``.ci/stages.json``, then the ten slowest tests of the whole run.
 
+Each test file has a budget too (:data:`FILE_BUDGET` seconds of its tests' time in
+one session, the serial session aside): the report names every file over it, and
+``report`` fails the run when a file took more than :data:`FILE_FACTOR` times its
+recorded figure plus :data:`FILE_SLACK` (or, with no figure yet, that many times the
+budget): a test file that grows past its share is seen the day it does, not when the
+whole run misses CI's limit.
+
 A stage that runs far longer than its recorded figure is a hang, not a slow day: it
 is stopped (its whole process group) at ``LIMIT_FACTOR`` times its figure plus
 ``LIMIT_SLACK`` seconds, with a message naming the stage, so that CI fails with a
@@ -45,6 +52,13 @@ LIMIT_FACTOR = 3.0
 LIMIT_SLACK = 600.0
 #: How many of the slowest tests the report lists.
 SLOWEST = 10
+#: Seconds of test time one test file may take in one session (not the serial one).
+FILE_BUDGET = 120.0
+#: A file fails the run past this many times its recorded figure, plus the slack.
+FILE_FACTOR = 2.0
+FILE_SLACK = 30.0
+#: Stages whose files have no budget: they run alone, and stop servers.
+UNBUDGETED = ("serial",)
 
 
 def stages_dir() -> Path:
@@ -57,13 +71,31 @@ def file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-") + ".json"
 
 
-def recorded() -> dict[str, float]:
-    """Stage name -> seconds, as last kept."""
+def recorded(part: str = "stages") -> dict[str, float]:
+    """Stage name (or, with ``part="files"``, test file) -> seconds, as last kept."""
     try:
         found = json.loads(RECORDED.read_text())
     except FileNotFoundError:
         return {}
-    return {str(k): float(v) for k, v in found.get("stages", {}).items()}
+    return {str(k): float(v) for k, v in found.get(part, {}).items()}
+
+
+def file_times(tests: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """(stage, test file) -> seconds of its tests, for the budgeted stages."""
+    times: dict[tuple[str, str], float] = {}
+    for summary in tests:
+        if any(word in summary["stage"] for word in UNBUDGETED):
+            continue
+        for path, seconds in summary.get("files", {}).items():
+            key = (summary["stage"], path)
+            times[key] = times.get(key, 0.0) + seconds
+    return times
+
+
+def file_limit(path: str, figures: dict[str, float]) -> float:
+    """Seconds past which ``path`` fails the run."""
+    figure = figures.get(path, FILE_BUDGET)
+    return figure * FILE_FACTOR + FILE_SLACK
 
 
 def limit_for(
@@ -180,7 +212,8 @@ def _clock(seconds: float) -> str:
 
 
 def report() -> str:
-    """The table of this run's stages, then its slowest tests."""
+    """The table of this run's stages, the test files over their budget, then the
+    slowest tests (a line starting ``FAILED:`` for a file past its limit)."""
     stages, tests = load()
     figures = recorded()
     counts: dict[str, dict[str, int]] = {}
@@ -222,6 +255,35 @@ def report() -> str:
             f"one's end ({_clock(busy)} of stage time, as sessions overlap; "
             f"{_clock(cpu)} of processor time, servers not counted)"
         )
+    times = file_times(tests)
+    file_figures = recorded("files")
+    over = sorted(
+        (
+            (seconds, stage, path)
+            for (stage, path), seconds in times.items()
+            if seconds > FILE_BUDGET
+        ),
+        reverse=True,
+    )
+    if over:
+        lines += ["", f"== test files over their budget of {FILE_BUDGET:g} s =="]
+        for seconds, stage, path in over:
+            figure = file_figures.get(path)
+            said = f"recorded {figure:.0f} s" if figure is not None else "no figure"
+            lines.append(f"{seconds:7.1f} s  {path}  [{stage}] ({said})")
+    failed = [
+        (seconds, stage, path)
+        for (stage, path), seconds in sorted(times.items())
+        if seconds > file_limit(path, file_figures)
+    ]
+    for seconds, stage, path in failed:
+        lines.append(
+            f"FAILED: {path} took {seconds:.0f} s in {stage}, past "
+            f"{file_limit(path, file_figures):.0f} s ({FILE_FACTOR:g} x its figure "
+            f"+ {FILE_SLACK:g} s): make it cheaper, move it to the serial session, "
+            f"or, if the cost is right, record the new figure "
+            f"(python scripts/stages.py keep)"
+        )
     slow = sorted(
         ((t, row) for t in tests for row in t.get("slowest", [])),
         key=lambda pair: -pair[1][1],
@@ -246,12 +308,25 @@ def _tests_cell(outcomes: dict[str, int] | None) -> str:
 
 
 def keep() -> None:
-    """Write this run's stage figures into ``.ci/stages.json``."""
-    stages, _ = load()
+    """Write this run's stage and test file figures into ``.ci/stages.json``."""
+    stages, tests = load()
     figures = recorded()
     figures.update({s["name"]: round(s["seconds"], 1) for s in stages})
+    # A file's figure is its slowest session's in this run.
+    this_run: dict[str, float] = {}
+    for (_, path), seconds in file_times(tests).items():
+        this_run[path] = max(round(seconds, 1), this_run.get(path, 0.0))
+    files = recorded("files")
+    files.update(this_run)
     RECORDED.write_text(
-        json.dumps({"stages": dict(sorted(figures.items()))}, indent=2) + "\n"
+        json.dumps(
+            {
+                "stages": dict(sorted(figures.items())),
+                "files": dict(sorted(files.items())),
+            },
+            indent=2,
+        )
+        + "\n"
     )
 
 
@@ -279,7 +354,10 @@ def main(argv: Sequence[str]) -> int:
     if args.verb == "add":
         write(args.name, args.seconds, args.status, time.time() - args.seconds)
     elif args.verb == "report":
-        print(report())
+        table = report()
+        print(table)
+        if any(line.startswith("FAILED:") for line in table.splitlines()):
+            return 1
     elif args.verb == "keep":
         keep()
     elif args.verb == "clear":

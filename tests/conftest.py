@@ -181,6 +181,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     from scripts.stages import file_name, stages_dir
 
     slowest = sorted(_durations.items(), key=lambda item: -item[1])[:_SLOWEST_KEPT]
+    files: Counter[str] = Counter()
+    for nodeid, seconds in _durations.items():
+        files[nodeid.split("::", 1)[0]] += seconds
     folder = stages_dir()
     folder.mkdir(parents=True, exist_ok=True)
     name = file_name(f"tests {_STAGE} {os.getpid()}")
@@ -190,6 +193,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                 "stage": _STAGE,
                 "tests": dict(_outcomes),
                 "slowest": [[nodeid, round(s, 2)] for nodeid, s in slowest],
+                "files": {path: round(s, 2) for path, s in sorted(files.items())},
             }
         )
     )

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "stages.py"
 
@@ -115,3 +117,45 @@ def test_the_report_lists_every_stage_with_its_status_and_the_total(
     assert failed.endswith("exit 2")
     assert lines.index(venv) < lines.index(failed)  # in the order they started
     assert any(line.startswith("total: ") for line in lines)
+
+
+def test_a_test_file_over_its_budget_is_named_and_past_twice_its_figure_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import stages
+
+    monkeypatch.setenv("OUTBOX_STAGES", str(tmp_path / "stages"))
+    recorded = tmp_path / "stages.json"
+    recorded.write_text(json.dumps({"files": {"tests/e2e/test_grown.py": 100.0}}))
+    monkeypatch.setattr(stages, "RECORDED", recorded)
+    folder = tmp_path / "stages"
+    folder.mkdir()
+
+    def summary(stage: str, files: dict[str, float]) -> None:
+        found = {"stage": stage, "tests": {"passed": 1}, "slowest": [], "files": files}
+        (folder / stages.file_name(f"tests {stage}")).write_text(json.dumps(found))
+
+    budget = stages.FILE_BUDGET
+    summary("3.13/6.1/5.7: tests", {"tests/e2e/test_big.py": budget + 5})
+    summary("3.13/6.1/5.7: serial tests", {"tests/faults/test_x.py": budget * 9})
+    table = stages.report()
+    assert "tests/e2e/test_big.py" in table  # over the budget: named
+    assert "test_x.py" not in table  # the serial session has no budget
+    assert "FAILED:" not in table
+
+    # A file with a figure fails past twice it plus the slack; one without, past
+    # twice the budget plus the slack.
+    summary("3.12/6.0/5.6: contract tests", {"tests/e2e/test_grown.py": 231.0})
+    summary("3.11/4.2/5.5: contract tests", {"tests/e2e/test_new.py": budget * 3})
+    failed = [line for line in stages.report().splitlines() if "FAILED:" in line]
+    assert len(failed) == 2
+    assert any("test_grown.py took 231 s" in line for line in failed)
+    assert any("test_new.py" in line for line in failed)
+    assert stages.main(["report"]) == 1
+
+    # keep() records each file's slowest session of this run.
+    stages.keep()
+    kept = json.loads(recorded.read_text())["files"]
+    assert kept["tests/e2e/test_grown.py"] == 231.0
+    assert "tests/faults/test_x.py" not in kept
