@@ -32,9 +32,8 @@ import itertools
 import json
 import logging
 import os
-import random
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import Celery
@@ -48,7 +47,6 @@ from kombu.pidbox import Mailbox, Node
 from kombu.serialization import loads, prepare_accept_content
 
 from .conf import get_settings
-from .engine.backoff import backoff
 from .engine.reports import REPORTER, SHUTDOWN_SECONDS, Reporter
 from .enqueue import require_installed
 from .envelope import Envelope
@@ -69,9 +67,6 @@ BATCH_SIZE = 500
 #: Task ids a worker process holds for deletion; past it, the ids of a revoke are
 #: logged as an error and not deleted by this worker.
 PENDING_LIMIT = 100_000
-#: The backoff of a worker's deletion that failed: first wait and cap (seconds).
-RETRY_BASE_SECONDS = 0.5
-RETRY_MAX_SECONDS = 10.0
 
 
 class RevokingNode(Node):
@@ -297,20 +292,17 @@ class Withdrawals:
     ids in a set, so a burst of revokes of one id is one id. The process's reporter
     thread (:mod:`celery_outbox.engine.reports`) deletes them, up to
     :data:`BATCH_SIZE` a statement, on its one connection: a burst costs no more
-    threads or connections than a single revoke. A deletion that fails (the
-    database down, out of connections, a lock) keeps its ids and is tried again
-    after the engine's backoff until it is written, or until the worker ends
-    (:meth:`stop`). Reports queued behind it on the reporter wait meanwhile.
+    threads or connections than a single revoke. The deletion is one report of the
+    reporter (the ids added meanwhile join it): one that fails (the database down,
+    out of connections, a lock) keeps its ids and is tried again as every report
+    is, after the engine's backoff, until it is written or the worker ends
+    (:meth:`stop`).
     """
 
     def __init__(
-        self,
-        reporter: Reporter = REPORTER,
-        random: Callable[[], float] = random.random,
-        limit: int = PENDING_LIMIT,
+        self, reporter: Reporter = REPORTER, limit: int = PENDING_LIMIT
     ) -> None:
         self._reporter = reporter
-        self._random = random
         self._limit = limit
         self.forget()
 
@@ -319,9 +311,6 @@ class Withdrawals:
         self._lock = threading.Lock()
         self._pending: dict[str, None] = {}
         self._app: Celery | None = None
-        #: A deletion is on the reporter's queue, or running.
-        self._queued = False
-        self._stopping = threading.Event()
 
     @property
     def pending(self) -> list[str]:
@@ -336,10 +325,6 @@ class Withdrawals:
             room = max(self._limit - len(self._pending), 0)
             self._pending.update(dict.fromkeys(new[:room]))
             self._app = app
-            send = bool(self._pending) and not self._queued
-            if send:
-                self._queued = True
-                self._stopping.clear()  # a worker started again in this process
         if new[room:]:
             logger.error(
                 "%d task ids wait for deletion already: the outbox rows of %s are not "
@@ -349,53 +334,33 @@ class Withdrawals:
                 self._limit,
                 ", ".join(new[room:]),
             )
-        if send:
+        if new[:room]:
             worker_shutdown.connect(
                 _stop_withdrawals, weak=False, dispatch_uid="celery_outbox.revoke"
             )
-            self._reporter.send(self._delete, new[0], "revoked")
+            self._reporter.send(
+                self._delete, new[0], "revoked", slot="celery_outbox.revoke"
+            )
 
     def stop(self, timeout: float) -> list[str]:
-        """Wait up to ``timeout`` for the deletions, then stop retrying; the ids left."""
+        """Wait up to ``timeout`` for the deletions; the ids left."""
         self._reporter.wait(timeout)
-        self._stopping.set()
         return self.pending
 
     def _delete(self, stores: Stores) -> int:
-        """The reporter's part: delete batch after batch until none is pending."""
-        deleted = attempt = 0
+        """The reporter's part: delete batch after batch until none is pending;
+        a batch that fails raises, and the reporter tries again."""
+        deleted = 0
         while True:
             with self._lock:
                 batch = list(itertools.islice(self._pending, BATCH_SIZE))
                 app = self._app
-                if not batch or app is None or self._stopping.is_set():
-                    self._queued = False
-                    return deleted
-            try:
-                deleted += len(_withdraw(app, stores, batch, skip_locked=True))
-            except Exception as exc:
-                attempt += 1
-                self._wait_after(stores, attempt, len(batch), exc)
-                continue
-            attempt = 0
+            if not batch or app is None:
+                return deleted
+            deleted += len(_withdraw(app, stores, batch, skip_locked=True))
             with self._lock:
                 for task_id in batch:
                     self._pending.pop(task_id, None)
-
-    def _wait_after(
-        self, stores: Stores, attempt: int, count: int, exc: Exception
-    ) -> None:
-        delay = backoff(attempt, RETRY_BASE_SECONDS, RETRY_MAX_SECONDS, self._random)
-        logger.warning(
-            "a revoke reached this worker, but the outbox rows of %d task(s) could not "
-            "be deleted (%s: %s): trying again in %.1f s",
-            count,
-            type(exc).__name__,
-            exc,
-            delay,
-        )
-        stores.ordering().reset_connection()  # the next attempt reconnects
-        self._stopping.wait(delay)
 
 
 #: The deletions of this process's worker.

@@ -11,11 +11,14 @@ that also takes the keys' slots and puts back the rows whose key is at a limit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 from ..conf import OutboxSettings
 from ..engine.gate import RUNNING_SECONDS, Gate, KeyGate
 from ..envelope import StoredMessage
+from ..exceptions import OutboxDatabaseError
+from ..outcomes import Settlement
 from ..store.protocol import FlowStore
 from .core import (
     FLOW_HEADER,
@@ -27,6 +30,8 @@ from .core import (
     flow_of,
     plan,
 )
+
+logger = logging.getLogger("celery_outbox.flow")
 
 
 class FlowGate(KeyGate):
@@ -73,6 +78,44 @@ class FlowGate(KeyGate):
                 decisions[name] = Decided(found, tuple(c.id for c in rows))
         admission = plan(messages, self.flow_name, decisions)
         return self._named(admission, slotted) if slotted else admission
+
+    def settled(
+        self, settlement: Settlement, published: Sequence[StoredMessage]
+    ) -> Settlement:
+        """Ordered keys' settlement, after freeing the slots of the rows that took
+        one and did not reach the broker (refused, dead-lettered, put back by an
+        outage or a shutdown): no worker will report them. A row that comes back
+        takes a slot again when it is decided again.
+
+        Freed in a transaction of their own, before the settlement's: the flow
+        store holds the flows' locks and wakes the keys' parked rows, which the
+        relay's settlement knows nothing of. Freed first, a crash between the two
+        leaves a leased row that takes its slot again when it comes back; a
+        database error leaves the slots to their lease, as before.
+        """
+        found = super().settled(settlement, published)
+        went = {*found.delete, *(d.message_id for d in found.hold)}
+        unsent: dict[str, list[Candidate]] = {}
+        for message in published:
+            name = self.flow_name(message.envelope.task_name)
+            row = candidate(message)
+            if message.id in went or row.key is None or name is None:
+                continue
+            if self._by_name[name].limits:
+                unsent.setdefault(name, []).append(row)
+        for name, rows in sorted(unsent.items()):
+            try:
+                self.store.not_published(self._by_name[name], rows)
+            except OutboxDatabaseError as exc:
+                self.store.reset_connection()
+                logger.warning(
+                    "flow %r: cannot free the slots of %d rows the broker did not "
+                    "take (%s); they free at the flow's lease",
+                    name,
+                    len(rows),
+                    exc,
+                )
+        return found
 
     def _named(self, admission: Admission, slotted: set[str]) -> Admission:
         """The admitted rows of the ``slotted`` flows (a slot of their key taken)

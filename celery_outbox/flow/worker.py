@@ -6,8 +6,9 @@ task tells the outbox when it starts (its slot is no longer ``queued``) and when
 it ends, however it ends (:mod:`celery_outbox.engine.endings`, the same signals
 strict ordering hears): its slot frees, and a row of the key that waited for one
 is due at once. The reports go through the process's reporter thread
-(:mod:`celery_outbox.engine.reports`); a report that is lost (its worker was
-killed) leaves the slot taken until the flow's ``lease`` is over.
+(:mod:`celery_outbox.engine.reports`), which writes each until it is written; a
+report that is lost (its worker was killed) leaves the slot taken until the
+flow's ``lease`` is over.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def report_end(end: TaskEnd) -> None:
             lambda stores: stores.flows().task_ended(flow, key, task_id),
             task_id,
             end.ending.value,
+            slot=("flow-end", flow.name, task_id),
         )
     except Exception:
         logger.exception("flow: cannot report the end of task %s", end.task_id)
@@ -76,6 +78,7 @@ def _started(task: Any = None, task_id: str = "", **_: Any) -> None:
             lambda stores: stores.flows().task_started(flow, key, started),
             started,
             "started",
+            slot=("flow-start", flow.name, started),
         )
     except Exception:
         logger.exception("flow: cannot report the start of task %s", task_id)

@@ -142,6 +142,31 @@ class FlowQueries(StoreBase):
                 return 0
             return self._wake(cursor, flow, key, max(len(started), 1))
 
+    def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
+        """``rows`` took a slot of their key and did not reach the broker (refused,
+        dead-lettered, put back): their unstarted slots free, and for each one
+        freed a row of its key that waited is woken; how many were woken. The
+        relay knows first: no worker will report a task it never received."""
+        task_ids = [c.task_id for c in rows if c.key is not None]
+        if not task_ids:
+            return 0
+        with self._report(flow) as (cursor, _):
+            cursor.execute(
+                f"SELECT flow_key, COUNT(*) FROM {FLOW_SLOT_TABLE} WHERE flow = %s "
+                f"AND started = %s AND task_id IN ({placeholders(task_ids)}) "
+                f"GROUP BY flow_key",
+                [flow.name, False, *task_ids],
+            )
+            freed = sorted((str(key), int(count)) for key, count in cursor.fetchall())
+            if not freed:
+                return 0
+            cursor.execute(
+                f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND started = %s AND "
+                f"task_id IN ({placeholders(task_ids)})",
+                [flow.name, False, *task_ids],
+            )
+            return sum(self._wake(cursor, flow, key, count) for key, count in freed)
+
     @contextlib.contextmanager
     def _report(self, flow: Flow) -> Iterator[tuple[Any, str | None]]:
         """A worker's report's transaction, under the flow's row lock (the one the

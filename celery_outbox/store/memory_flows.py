@@ -144,6 +144,19 @@ class InMemoryFlows:
                 return 0
             return self._wake(flow.name, key, 1, self.clock())
 
+    def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
+        """Their unstarted slots free; a parked row of the key woken per slot."""
+        mine = {c.task_id for c in rows if c.key is not None}
+        with self._lock:
+            slots = self.slots.setdefault(flow.name, [])
+            freed = Counter(s.key for s in slots if s.task_id in mine and not s.started)
+            slots[:] = [s for s in slots if s.started or s.task_id not in mine]
+            now = self.clock()
+            return sum(
+                self._wake(flow.name, key, count, now)
+                for key, count in sorted(freed.items())
+            )
+
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for ``name``; parked rows woken."""
         with self._lock:

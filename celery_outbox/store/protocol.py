@@ -337,6 +337,11 @@ class FlowStore(Protocol):
         """A task of ``key`` ended: its slot frees, a parked row of the key is woken."""
         ...
 
+    def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
+        """``rows`` of ``flow`` took a slot and did not reach the broker: their
+        unstarted slots free, a parked row of the key woken for each; how many."""
+        ...
+
     def set_rates(self, name: str, rates: Sequence[Rate] | None) -> None:
         """Put ``rates`` in force for the flow ``name`` at the next decision of every
         relay; None goes back to the settings' rates."""

@@ -204,6 +204,40 @@ class FlowContract:
         assert (len(again.free), again.waiting) == (1, ())
         assert flows.flows.flow_stats([partner])[0].running == 1
 
+    def test_a_row_the_broker_did_not_take_frees_its_slot_and_wakes_its_key(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a"), of_key("b1", "b")])
+        token, first = flows.claim(50)
+        rows = [candidate(m) for m in first]
+        decided = flows.flows.decide(partner, rows, token)
+        assert len(decided.waiting) == 1
+        refused = [c for c in rows if c.task_id in (self.ids["a1"], self.ids["b1"])]
+        # a1's slot frees and wakes a2; b1's frees, with no row of b to wake.
+        assert flows.flows.not_published(partner, refused) == 1
+        assert tags(flows.claim(50)[1]) == ["a2"]
+        assert flows.flows.flow_stats([partner])[0].running == 0
+        # Nothing left to free: nothing woken twice.
+        assert flows.flows.not_published(partner, refused) == 0
+
+    def test_a_row_not_published_frees_its_unstarted_slot_not_its_runs(
+        self, flows: FlowHarness
+    ) -> None:
+        # A retry's row (its run's task id) that the broker refused: the run
+        # still holds its started slot until it reports its end.
+        partner = keyed_flow(running=2)
+        flows.enqueue([of_key("a1", "a")])
+        self.decide(flows, partner)
+        flows.flows.task_started(partner, "a", self.ids["a1"])
+        flows.enqueue([self.retry_of("a1", "a")])
+        token, again = flows.claim(50)
+        flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert flows.flows.flow_stats([partner])[0].running == 2
+        flows.flows.not_published(partner, [candidate(m) for m in again])
+        stats = flows.flows.flow_stats([partner])[0]
+        assert (stats.running, stats.queued) == (1, 0)
+
     def test_a_started_task_of_a_queued_limit_wakes_nothing_when_it_ends(
         self, flows: FlowHarness
     ) -> None:

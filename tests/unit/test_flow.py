@@ -34,7 +34,7 @@ from celery_outbox.flow.core import (
     use_of,
 )
 from celery_outbox.flow.gate import FlowGate, gate_for
-from celery_outbox.outcomes import Action, Outcome
+from celery_outbox.outcomes import Action, Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import RetryPolicy
 from celery_outbox.relay.loop import Cycle, Relay
@@ -556,3 +556,23 @@ def test_a_retry_keeps_its_key_and_a_task_it_sends_does_not() -> None:
     assert retried_flow_key(running, "t-2") is None
     eager = SimpleNamespace(id="t-1", headers={KEY_HEADER: "tenant-7"})
     assert retried_flow_key(SimpleNamespace(request=eager), "t-1") == "tenant-7"
+
+
+def test_a_row_the_relay_dead_letters_frees_its_keys_slot_at_once() -> None:
+    world = KeyedWorld({"tasks": ["shop.call_partner"], "running": 1}, 4, 0.5)
+    refused = "a0"
+
+    def broker(message: StoredMessage) -> PublishResult | None:
+        if message.envelope.task_id.startswith(refused):
+            return PublishResult(message.id, Outcome.FAILED, "406 PRECONDITION_FAILED")
+        return None
+
+    world.publisher.behaviour = broker
+    world.send("a", 2)
+    start = world.clock()
+    world.drain(limit=60.0)
+    # a0 was refused 3 times (backoff 1-4 s) and dead-lettered; a1 did not wait
+    # for the lease (300 s) of the slot a0 took and never used.
+    assert [key for key, _, _ in world.runs] == ["a"]
+    assert world.runs[0][1] - start < 10.0
+    assert len(world.store.dead) == 1
