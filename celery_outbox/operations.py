@@ -81,6 +81,7 @@ def _stats_dict(summary: Summary, failures: TopFailures | None) -> dict[str, Any
         "retrying": summary.retrying,
         "scheduled": summary.scheduled,
         "next_due_seconds": summary.next_due_seconds,
+        "parked": dict(summary.parked),
         "backlog": [
             {
                 "task_name": group.task_name,
@@ -130,6 +131,10 @@ def _text(summary: Summary, failures: TopFailures | None) -> str:
         f"dead      {summary.dead}",
         f"oldest    {_seconds(summary.oldest_pending_seconds)}",
     ]
+    if summary.parked:
+        by_flow = ", ".join(f"{name or '?'} {n}" for name, n in summary.parked)
+        total = sum(n for _, n in summary.parked)
+        lines.insert(5, f"parked    {total} ({by_flow})")
     if summary.backlog:
         lines += ["", "backlog by task and queue (pending, due, oldest):"]
         lines += [

@@ -13,7 +13,17 @@ from typing import Any
 from django.core.management.base import CommandError
 
 from ..conf import get_settings
-from ..flow.core import Flow, KeyLimit, Limits, parse_limits, parse_rate, rates_text
+from ..flow.core import (
+    Flow,
+    Limits,
+    changeable,
+    parse_limits,
+    parse_rate,
+    rates_text,
+    read_limits,
+)
+from ..flow.gate import reconcile
+from .exits import ExitStatus
 from .options import Streams, add_format
 
 HELP = "Flow control: each flow's rows waiting, recent publishes, rates and limits."
@@ -93,7 +103,9 @@ def named(flows: dict[str, Flow], name: str) -> str:
     if name not in flows:
         known = ", ".join(sorted(flows)) or "none"
         raise CommandError(
-            f"No flow {name!r} in CELERY_OUTBOX_FLOWS (configured: {known})."
+            f"No flow {name!r} in CELERY_OUTBOX_FLOWS (configured: {known}); the "
+            f"rows a flow no longer configured parked or held are released when a "
+            f"relay starts, and 'outbox flows stats' counts them until then."
         )
     return name
 
@@ -109,6 +121,12 @@ def run_stats(options: dict[str, Any], streams: Streams) -> None:
     if not stats:
         streams.line("no flow configured (CELERY_OUTBOX_FLOWS)")
     for flow in stats:
+        if not flow.configured:
+            streams.line(
+                f"{flow.name}: not in CELERY_OUTBOX_FLOWS  parked {flow.parked} "
+                f"(released when a relay starts)"
+            )
+            continue
         source = "changed by an operator" if flow.changed else "settings"
         rate = f"rate {rates_text(flow.rates)} ({source})" if flow.rates else "no rate"
         streams.line(
@@ -120,7 +138,7 @@ def run_stats(options: dict[str, Any], streams: Streams) -> None:
         source = "changed by an operator" if flow.limits_changed else "settings"
         streams.line(
             f"  per key: {flow.limits} ({source})  running {flow.running}  "
-            f"queued {flow.queued}"
+            f"queued {flow.queued}  parked {flow.parked}"
         )
         for key in flow.keys:
             streams.line(
@@ -160,47 +178,65 @@ def run_limit(options: dict[str, Any], streams: Streams) -> None:
 
     flows = configured()
     name = named(flows, options["flow"])
-    if not flows[name].limits:
-        raise CommandError(
-            f"Flow {name!r} has no limits per key in CELERY_OUTBOX_FLOWS: add "
-            f"'running' or 'queued' to it there first (its workers report the "
-            f"starts and ends of its keys' tasks only then); 'outbox flows rate' "
-            f"changes its rates."
-        )
+    try:
+        flow = changeable(flows[name], name)
+    except ValueError as exc:
+        raise CommandError(f"{exc}.") from None
     given = {k: options[k] for k in ("running", "queued") if options[k] is not None}
     if options["reset"] == bool(given):
         raise CommandError(
             "Give the new limits (e.g. 'outbox flows limit partner --running 2', "
             "'--key premium-* --running 10') or --reset, not both and not neither."
         )
+    key = options["key"]
+    if key is not None:
+        try:
+            parse_limits({"keys": {key: {}}})  # the setting's rule for a key
+        except ValueError as exc:
+            raise CommandError(
+                f"--key: {exc}; name a flow key or a glob, e.g. --key 'premium-*'.",
+                returncode=ExitStatus.USAGE,
+            ) from None
     store = outbox_stores().flows()
-    (found,) = store.flow_stats((flows[name],))
+    found = store.flow_stats((flow,))[0]
+    if options["reset"] and key is not None and key not in dict(found.limits.keys):
+        own = ", ".join(pattern for pattern, _ in found.limits.keys) or "none"
+        raise CommandError(
+            f"Flow {name!r}: key {key!r} has no limits of its own (keys with their "
+            f"own: {own}); nothing changed."
+        )
     try:
-        limits = changed_limits(found.limits, options["key"], given, options["reset"])
+        limits = changed_limits(found.limits, key, given, options["reset"])
     except ValueError as exc:
         raise CommandError(f"{exc}.") from None
     store.set_limits(name, limits)
-    shown = limits if limits is not None else flows[name].limits
+    shown = limits if limits is not None else flow.limits
     source = "on every relay from now" if limits is not None else "the settings'"
     streams.line(f"flow {name!r}: limits {shown} ({source})")
+    for old, count in reconcile(tuple(flows.values()), store).items():
+        streams.line(
+            f"flow {old!r}: {count} row(s) it held released (settings changed)"
+        )
 
 
 def changed_limits(
     current: Limits, key: str | None, given: dict[str, int], reset: bool
 ) -> Limits | None:
-    """``current`` with an operator's change; None: back to the settings'.
+    """``current`` with an operator's change; None: back to the settings'. A key
+    named goes first (:meth:`Limits.put`): the limit printed is the one its keys get.
 
-    Raises :class:`ValueError` for a limit below 1.
+    Raises :class:`ValueError` for a limit below 1, or a change that would leave
+    no limit (checked as the setting is: :func:`read_limits`).
     """
     if reset and key is None:
         return None
-    entries = dict(current.keys)
     if reset:
-        entries.pop(str(key), None)
-        return Limits(current.every, tuple(entries.items()))
-    checked = parse_limits(given)  # a limit below 1 is refused with the fix
-    change = checked.every
-    if key is None:
-        return Limits(current.every.over(change), current.keys)
-    entries[key] = entries.get(key, KeyLimit()).over(change)
-    return Limits(current.every, tuple(entries.items()))
+        changed = current.without(str(key))
+    else:
+        change = parse_limits(given).every  # a limit below 1 is refused with the fix
+        changed = (
+            Limits(current.every.over(change), current.keys)
+            if key is None
+            else current.put(key, change)
+        )
+    return read_limits(changed.as_dict())

@@ -20,7 +20,14 @@ from django.http import HttpRequest
 from ..conf import get_settings
 from ..models import FlowState
 from ..store import outbox_stores
-from .core import Limits, parse_limits, parse_rates, rates_text
+from .core import (
+    Limits,
+    changeable,
+    limits_in_force,
+    parse_rates,
+    rates_text,
+    read_limits,
+)
 
 
 class FlowRatesForm(forms.ModelForm):  # type: ignore[type-arg]
@@ -38,15 +45,18 @@ class FlowRatesForm(forms.ModelForm):  # type: ignore[type-arg]
         }
 
     def clean_limits(self) -> str | None:
-        """The limits as stored (JSON), or None for the settings' limits."""
+        """The limits as stored (JSON), or None for the settings' limits: checked as
+        ``outbox flows limit`` checks them (:func:`read_limits`, on a flow with
+        limits per key in the settings), so that what is saved is what relays apply."""
         text = str(self.cleaned_data.get("limits") or "").strip()
         if not text:
             return None
+        name = self.instance.name
         try:
-            found = json.loads(text)
-            if not isinstance(found, dict):
-                raise ValueError(f"a dict such as {{'running': 2}}, got {found!r}")
-            return parse_limits(found).text()
+            changeable(
+                next((f for f in get_settings().flows if f.name == name), None), name
+            )
+            return read_limits(json.loads(text)).text()
         except ValueError as exc:
             raise forms.ValidationError(f"{exc}.") from None
 
@@ -93,9 +103,10 @@ class FlowStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description="limits per key in force")
     def limits_in_force(self, obj: FlowState) -> str:
         """The operator's limits, else the settings'."""
-        if obj.limits:
-            return str(parse_limits(json.loads(obj.limits)))
-        return self.configured_limits(obj)
+        found = next((f for f in get_settings().flows if f.name == obj.name), None)
+        if found is None or not found.limits:
+            return "-"  # no relay decides per key for it
+        return str(limits_in_force(found, obj.limits))
 
     @admin.display(description="limits per key of the settings")
     def configured_limits(self, obj: FlowState) -> str:
@@ -113,7 +124,7 @@ class FlowStateAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         store.set_rates(obj.name, rates)
         if "limits" in form.changed_data:
             stored = form.cleaned_data.get("limits")
-            limits: Limits | None = parse_limits(json.loads(stored)) if stored else None
+            limits: Limits | None = read_limits(json.loads(stored)) if stored else None
             store.set_limits(obj.name, limits)
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import re
@@ -165,11 +166,26 @@ class Limits:
         )
 
     def of(self, key: str) -> KeyLimit:
-        """The limit of ``key``."""
+        """The limit of ``key``: the first of :attr:`keys` that matches it, in the
+        order stored (:meth:`put` puts an operator's key first)."""
         for pattern, limit in self.keys:
             if fnmatchcase(key, pattern):
                 return self.every.over(limit)
         return self.every
+
+    def put(self, pattern: str, change: KeyLimit) -> Limits:
+        """These limits with ``change`` over ``pattern``'s own, and ``pattern`` first:
+        the key an operator names last is the one :meth:`of` finds first, so the
+        limit a command prints is the one its keys get. The others keep their order."""
+        own = dict(self.keys).get(pattern, KeyLimit()).over(change)
+        others = tuple((p, limit) for p, limit in self.keys if p != pattern)
+        return Limits(self.every, ((pattern, own), *others))
+
+    def without(self, pattern: str) -> Limits:
+        """These limits with ``pattern``'s own dropped, the others in their order."""
+        return Limits(
+            self.every, tuple((p, lim) for p, lim in self.keys if p != pattern)
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The limits as the setting writes them (``running``, ``queued``, ``keys``)."""
@@ -179,8 +195,9 @@ class Limits:
         return found
 
     def text(self) -> str:
-        """JSON text of :meth:`as_dict`, as an operator's change is stored."""
-        return json.dumps(self.as_dict(), sort_keys=True)
+        """JSON text of :meth:`as_dict`, as an operator's change is stored: the keys
+        in their order, which is the order :meth:`of` reads them in."""
+        return json.dumps(self.as_dict())
 
     def __str__(self) -> str:
         parts = [str(self.every)] if self.every != KeyLimit() else []
@@ -232,11 +249,7 @@ def _flow(name: str, entry: Any) -> Flow:
             f"is a dict with the key 'tasks' and a limit ('rate', 'running', "
             f"'queued') ({_EXAMPLE}), got {entry!r}"
         )
-    unknown = sorted(set(map(str, entry)) - set(FLOW_KEYS))
-    if unknown:
-        raise ValueError(
-            f"takes the keys {', '.join(FLOW_KEYS)}; unknown: {unknown} ({_EXAMPLE})"
-        )
+    _refuse_unknown(entry, FLOW_KEYS, _EXAMPLE)
     if "tasks" not in entry or not any(key in entry for key in POLICY_KEYS):
         raise ValueError(
             f"needs 'tasks' and at least one limit: 'rate', 'running' or 'queued' "
@@ -263,6 +276,56 @@ def _flow(name: str, entry: Any) -> Flow:
         parse_limits(entry),
         _lease(entry.get("lease", SLOT_LEASE)),
     )
+
+
+def _refuse_unknown(
+    entry: Mapping[str, Any], known: Sequence[str], example: str
+) -> None:
+    unknown = sorted(set(map(str, entry)) - set(known))
+    if unknown:
+        raise ValueError(
+            f"takes the keys {', '.join(known)}; unknown: {unknown} ({example})"
+        )
+
+
+_LIMITS_EXAMPLE = "e.g. {'running': 2, 'keys': {'premium-*': {'running': 10}}}"
+
+
+def read_limits(value: Any) -> Limits:
+    """An operator's limits per key (``outbox flows limit``, the admin), checked as
+    the setting's are: a dict of ``running``, ``queued`` and ``keys`` that sets at
+    least one limit.
+
+    Raises :class:`ValueError` saying what is wrong and what to write instead.
+    """
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"limits per key are a dict ({_LIMITS_EXAMPLE}), got {value!r}"
+        )
+    _refuse_unknown(value, (*LIMIT_KEYS, "keys"), _LIMITS_EXAMPLE)
+    limits = parse_limits(value)
+    if not limits:
+        raise ValueError(
+            f"{value!r} sets no limit: give 'running', 'queued' or 'keys' "
+            f"({_LIMITS_EXAMPLE}); to go back to the settings' limits, store none"
+        )
+    return limits
+
+
+def changeable(flow: Flow | None, name: str) -> Flow:
+    """``flow`` (the settings' flow ``name``) when an operator may change its limits
+    per key: it has some in the settings, so its relays decide per key and its
+    workers report. Raises :class:`ValueError` naming the fix."""
+    if flow is None:
+        raise ValueError(f"No flow {name!r} in CELERY_OUTBOX_FLOWS")
+    if not flow.limits:
+        raise ValueError(
+            f"Flow {name!r} has no limits per key in CELERY_OUTBOX_FLOWS: add "
+            f"'running' or 'queued' to it there first (its workers report the "
+            f"starts and ends of its keys' tasks only then); 'outbox flows rate' "
+            f"changes its rates"
+        )
+    return flow
 
 
 def parse_limits(entry: Mapping[str, Any]) -> Limits:
@@ -332,8 +395,7 @@ def limits_in_force(flow: Flow, changed: str | None) -> Limits:
     if not changed:
         return flow.limits
     try:
-        found = json.loads(changed)
-        return parse_limits(found) if isinstance(found, Mapping) else flow.limits
+        return read_limits(json.loads(changed))
     except ValueError:
         return flow.limits
 
@@ -578,6 +640,66 @@ def plan(
 HELD_PREFIX = "held "
 
 
+def waiting_reason(flow: str, key: str) -> str:
+    """The ``last_error`` of a row put back to wait for a slot of its key."""
+    return f"waiting for a slot of key {key!r} in flow {flow!r}"
+
+
+def holder(reason: str, key: str | None) -> str | None:
+    """The flow a row's ``last_error`` says parked it (``key``: its ``flow_key``)
+    or, with no key, held it by its rates; None when it names none. The reverse of
+    :func:`waiting_reason` and of a held row's reason: the name is the ``repr``
+    they wrote (a rate's text has no parenthesis, so the last ``" ("`` ends it)."""
+    if key is not None:
+        prefix = f"waiting for a slot of key {key!r} in flow "
+    else:
+        prefix = f"{HELD_PREFIX}by flow "
+    if not reason.startswith(prefix):
+        return None
+    written = reason[len(prefix) :]
+    if key is None:
+        written = written.rsplit(" (", 1)[0]
+    try:
+        name = ast.literal_eval(written)
+    except (ValueError, SyntaxError):
+        return None  # cut to the column's length, or not ours
+    return name if isinstance(name, str) else None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A row a flow put back: parked for a slot of its key, or held by its rates."""
+
+    id: int
+    task_name: str
+    #: The flow its ``last_error`` names (:func:`holder`).
+    flow: str
+    #: Parked for a slot (a report wakes it); else held by the flow's rates.
+    parked: bool
+
+
+def stale(
+    flows: tuple[Flow, ...],
+    holdings: Iterable[Holding],
+    rates: Mapping[str, str | None],
+) -> tuple[Holding, ...]:
+    """The rows no flow of the settings would hold as they are held: the flow that
+    covers the task now is another or none, or it no longer has limits per key (for a
+    parked row: no relay decides per key, no report wakes it) or rates in force (for
+    a held row; ``rates``: the operator's by flow name). The rest stay as they are."""
+    found = []
+    for row in holdings:
+        now = flow_of(flows, row.task_name)
+        if (
+            now is None
+            or now.name != row.flow
+            or (row.parked and not now.limits)
+            or (not row.parked and not rates_in_force(now, rates.get(now.name)))
+        ):
+            found.append(row)
+    return tuple(found)
+
+
 def _held(name: str, found: Grant) -> str:
     return f"{HELD_PREFIX}by flow {name!r} ({rates_text(found.rates)})"
 
@@ -610,6 +732,11 @@ class FlowStats:
     queued: int = 0
     #: The busiest keys: most running, then most waiting.
     keys: tuple[KeyStats, ...] = ()
+    #: Rows the flow parked (its name in their ``last_error``), every key.
+    parked: int = 0
+    #: False for a flow no longer in the settings whose parked rows are left (a
+    #: relay's start releases them).
+    configured: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         """The stats as JSON-ready values."""
@@ -625,6 +752,8 @@ class FlowStats:
             "running": self.running,
             "queued": self.queued,
             "keys": [key.as_dict() for key in self.keys],
+            "parked": self.parked,
+            "configured": self.configured,
         }
 
 

@@ -156,3 +156,21 @@ def gate_for(settings: OutboxSettings, store: FlowStore) -> Gate:
     if not settings.flows:
         return KeyGate(settings.strict_lease_seconds)
     return FlowGate(settings.flows, store, settings.strict_lease_seconds)
+
+
+def reconcile(flows: Sequence[Flow], store: FlowStore) -> dict[str, int]:
+    """Release the rows a flow parked or held that ``flows`` (the settings) no
+    longer hold so (:meth:`~celery_outbox.store.protocol.FlowStore.reconcile`),
+    with a log line per flow that held them; how many, by that flow. Run when a
+    relay starts and by ``outbox flows limit``: a state a setting made is
+    reconciled with the settings, not left to its lease."""
+    released = store.reconcile(flows)
+    for name, count in released.items():
+        logger.warning(
+            "released %d row(s) flow %r had parked or held: the settings no longer "
+            "hold them by it (removed, renamed, its limits or rates gone, or the "
+            "task now in another flow); they are due now",
+            count,
+            name,
+        )
+    return released

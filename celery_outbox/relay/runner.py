@@ -14,7 +14,7 @@ from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
 from ..engine.heartbeat import Heartbeat, new_relay_id
 from ..engine.waiter import Waiter
-from ..flow.gate import gate_for
+from ..flow.gate import gate_for, reconcile
 from ..metrics import RelayMetrics, configured_sinks
 from ..signals import send_relay_signals
 from ..store import outbox_stores
@@ -68,6 +68,9 @@ def build_relay(
     if database.failure is not None:
         publisher.close()
         raise database.failure
+    # What a flow parked or held under settings that changed is released now, not
+    # at its lease.
+    reconcile(settings.flows, stores.flows())
     wakeup = None
     if settings.notify and connections[stores.alias].vendor == "postgresql":
         wakeup = PgNotifyListener(stores.alias)

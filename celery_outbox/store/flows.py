@@ -11,17 +11,20 @@ the database's, taken by the statements that run after the lock is held.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from django.db import transaction
 
 from ..flow.core import (
+    HELD_PREFIX,
     Candidate,
     Decided,
     Flow,
     FlowStats,
     Grant,
+    Holding,
     KeyStats,
     KeyUse,
     Limits,
@@ -31,9 +34,12 @@ from ..flow.core import (
     flow_of,
     frees_a_place,
     grant,
+    holder,
     limits_in_force,
     rates_in_force,
     rates_text,
+    stale,
+    waiting_reason,
 )
 from ..states import PARKED
 from .base import StoreBase
@@ -49,14 +55,11 @@ from .dialects import (
 MINUTE = 60.0
 #: The busiest keys ``outbox flows stats`` shows per flow.
 TOP_KEYS = 10
+#: Rows changed by one statement when a reconciliation releases them.
+RELEASE_CHUNK = 500
 #: Rows read at a time while a report looks for its flow's waiting rows of a key
 #: past the other flows' rows of the same key.
 WAKE_PAGE = 100
-
-
-def waiting_reason(flow: str, key: str) -> str:
-    """The ``last_error`` of a row put back to wait for a slot of its key."""
-    return f"waiting for a slot of key {key!r} in flow {flow!r}"
 
 
 class FlowQueries(StoreBase):
@@ -196,8 +199,8 @@ class FlowQueries(StoreBase):
 
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for the flow ``name`` at once, on every relay;
-        None goes back to the settings' limits. Waiting rows are woken: a raised
-        limit takes them at the next decision."""
+        None goes back to the settings' limits. The flow's waiting rows are woken
+        (a raised limit takes them at the next decision); other flows' are not."""
         text = limits.text() if limits is not None else None
         with (
             self._translated(),
@@ -208,11 +211,74 @@ class FlowQueries(StoreBase):
             # Read first, then change by id: an UPDATE that searched the table would
             # lock every row it read on MySQL.
             cursor.execute(
-                f"SELECT id FROM {MESSAGE_TABLE} WHERE flow_key IS NOT NULL AND "
-                f"state = '{PARKED}'",
+                f"SELECT id, flow_key, last_error FROM {MESSAGE_TABLE} WHERE "
+                f"flow_key IS NOT NULL AND state = '{PARKED}'",
                 [],
             )
-            self._wake_ids(cursor, [int(row[0]) for row in cursor.fetchall()])
+            mine = [
+                int(i)
+                for i, key, error in cursor.fetchall()
+                if error == waiting_reason(name, str(key))
+            ]
+            self._wake_ids(cursor, mine)
+
+    def reconcile(self, flows: Sequence[Flow]) -> dict[str, int]:
+        """Release, due now, the rows a flow parked or held that no flow of
+        ``flows`` (the settings) holds so any more (:func:`stale`): each once,
+        however many relays start at once; how many, by the flow that held them."""
+        now = self.dialect.now()
+        with (
+            self._translated(),
+            transaction.atomic(using=self.alias),
+            self.connection.cursor() as cursor,
+        ):
+            cursor.execute(f"SELECT name, rates FROM {FLOW_TABLE}", [])
+            rates = {
+                str(n): None if r is None else str(r) for n, r in cursor.fetchall()
+            }
+            cursor.execute(
+                f"SELECT id, task_name, flow_key, last_error, state FROM "
+                f"{MESSAGE_TABLE} WHERE available_at > {now} AND lease_token IS NULL "
+                f"AND (state = '{PARKED}' OR (state IS NULL AND SUBSTR(last_error, 1, "
+                f"{len(HELD_PREFIX)}) = '{HELD_PREFIX}'))",
+                [],
+            )
+            holdings = []
+            for row_id, task, key, error, state in cursor.fetchall():
+                parked = state == PARKED
+                name = holder(str(error or ""), str(key) if parked else None)
+                if name is not None:
+                    holdings.append(Holding(int(row_id), str(task), name, parked))
+            by_flow: dict[str, list[Holding]] = {}
+            for row in stale(tuple(flows), holdings, rates):
+                by_flow.setdefault(row.flow, []).append(row)
+            released = {
+                name: self._release(cursor, rows)
+                for name, rows in sorted(by_flow.items())
+            }
+        return {name: count for name, count in released.items() if count}
+
+    def _release(self, cursor: Any, rows: Sequence[Holding]) -> int:
+        """Make ``rows`` due now, those still parked or held and not leased (a
+        relay that released them first, or claimed them since, keeps them)."""
+        done = 0
+        for parked in (True, False):
+            ids = [r.id for r in rows if r.parked == parked]
+            for start in range(0, len(ids), RELEASE_CHUNK):
+                chunk = ids[start : start + RELEASE_CHUNK]
+                if parked:
+                    done += self._wake_ids(cursor, chunk)
+                    continue
+                now = self.dialect.now()
+                cursor.execute(
+                    f"UPDATE {MESSAGE_TABLE} SET available_at = {now} WHERE id IN "
+                    f"({placeholders(chunk)}) AND state IS NULL AND lease_token IS "
+                    f"NULL AND available_at > {now}",
+                    chunk,
+                )
+                done += int(cursor.rowcount)
+                self._wake_relays(cursor, int(cursor.rowcount))
+        return done
 
     def _grant(
         self,
@@ -385,9 +451,8 @@ class FlowQueries(StoreBase):
 
     def flow_stats(self, flows: Sequence[Flow]) -> tuple[FlowStats, ...]:
         """Each flow's rows waiting, its publishes of the last minute, its limits,
-        its running tasks and its busiest keys."""
-        if not flows:
-            return ()
+        its running tasks and its busiest keys; then each flow no longer
+        configured that has parked rows left."""
         since_sql, since_params = self.dialect.after(-MINUTE, clock=True)
         now = self.dialect.now()
         with self._translated(), self.connection.cursor() as cursor:
@@ -417,11 +482,13 @@ class FlowQueries(StoreBase):
                 for f, k, n, q in cursor.fetchall()
             ]
             cursor.execute(
-                f"SELECT task_name, flow_key, COUNT(*) FROM {MESSAGE_TABLE} WHERE "
-                f"state = '{PARKED}' GROUP BY task_name, flow_key",
+                f"SELECT flow_key, last_error, COUNT(*) FROM {MESSAGE_TABLE} WHERE "
+                f"state = '{PARKED}' GROUP BY flow_key, last_error",
                 [],
             )
-            parked = [(str(t), str(k), int(n)) for t, k, n in cursor.fetchall()]
+            parked = parked_by_flow(
+                (str(k), str(e or ""), int(n)) for k, e, n in cursor.fetchall()
+            )
         return flow_stats(flows, changed, recent, by_task, limits, slots, parked)
 
     def _change(self, cursor: Any, name: str, column: str, text: str | None) -> None:
@@ -496,6 +563,19 @@ class FlowQueries(StoreBase):
         return uses
 
 
+def parked_by_flow(
+    rows: Iterable[tuple[str, str, int]],
+) -> list[tuple[str, str, int]]:
+    """``(flow, key, rows)`` of the parked rows counted as ``(key, last_error,
+    rows)``: by the flow that parked them (its name in ``last_error``), configured
+    or not; ``""`` when none is named."""
+    found: dict[tuple[str, str], int] = {}
+    for key, error, count in rows:
+        name = holder(error, key) or ""
+        found[(name, key)] = found.get((name, key), 0) + count
+    return [(name, key, n) for (name, key), n in sorted(found.items())]
+
+
 def flow_stats(
     flows: Sequence[Flow],
     changed: dict[str, str | None],
@@ -507,8 +587,9 @@ def flow_stats(
 ) -> tuple[FlowStats, ...]:
     """The stats of ``flows`` from the operator's rates and limits by flow, the
     publishes of the last minute by flow, the outbox's rows by task name, the
-    slots ``(flow, key, running, queued)`` and the waiting rows ``(task name,
-    key, rows)``."""
+    slots ``(flow, key, running, queued)`` and the parked rows ``(flow that
+    parked them, key, rows)``; then a flow no longer configured that still has
+    parked rows (``configured`` False: a relay's start releases them)."""
     limits = limits or {}
     waiting = dict.fromkeys((flow.name for flow in flows), 0)
     every = tuple(flows)
@@ -520,31 +601,61 @@ def flow_stats(
     for name, key, running, queued in slots:
         if name in keys:
             keys[name].setdefault(key, [0, 0, 0])[:2] = [running, queued]
-    for task_name, key, count in parked:
-        found = flow_of(every, task_name)
-        if found is not None:
-            keys[found.name].setdefault(key, [0, 0, 0])[2] += count
+    gone: dict[str, dict[str, list[int]]] = {}
+    for name, key, count in parked:
+        lanes = keys[name] if name in keys else gone.setdefault(name, {})
+        lanes.setdefault(key, [0, 0, 0])[2] += count
     stats = []
     for flow in flows:
         in_force = limits_in_force(flow, limits.get(flow.name))
-        by_key_ = keys[flow.name]
-        busiest = sorted(by_key_.items(), key=lambda kv: (-kv[1][0], -kv[1][2], kv[0]))
         stats.append(
-            FlowStats(
-                flow.name,
-                flow.tasks,
+            _stats(
+                flow,
                 rates_in_force(flow, changed.get(flow.name)),
                 bool(changed.get(flow.name)),
                 waiting[flow.name],
                 recent.get(flow.name, 0),
                 in_force,
                 bool(limits.get(flow.name)),
-                sum(v[0] for v in by_key_.values()),
-                sum(v[1] for v in by_key_.values()),
-                tuple(
-                    KeyStats(key, r, q, w, in_force.of(key))
-                    for key, (r, q, w) in busiest[:TOP_KEYS]
-                ),
+                keys[flow.name],
+            )
+        )
+    for name, lanes in sorted(gone.items()):
+        old = Flow(name, ())
+        stats.append(
+            dataclasses.replace(
+                _stats(old, (), False, 0, recent.get(name, 0), Limits(), False, lanes),
+                configured=False,
             )
         )
     return tuple(stats)
+
+
+def _stats(
+    flow: Flow,
+    rates: tuple[Rate, ...],
+    changed: bool,
+    waiting: int,
+    recent: int,
+    in_force: Limits,
+    limits_changed: bool,
+    by_key_: dict[str, list[int]],
+) -> FlowStats:
+    busiest = sorted(by_key_.items(), key=lambda kv: (-kv[1][0], -kv[1][2], kv[0]))
+    return FlowStats(
+        flow.name,
+        flow.tasks,
+        rates,
+        changed,
+        waiting,
+        recent,
+        in_force,
+        limits_changed,
+        sum(v[0] for v in by_key_.values()),
+        sum(v[1] for v in by_key_.values()),
+        tuple(
+            KeyStats(key, r, q, w, in_force.of(key))
+            for key, (r, q, w) in busiest[:TOP_KEYS]
+        ),
+        parked=sum(v[2] for v in by_key_.values()),
+    )

@@ -21,18 +21,22 @@ from ..flow.core import (
     Flow,
     FlowStats,
     Grant,
+    Holding,
     KeyUse,
     Limits,
     Rate,
     by_key,
     frees_a_place,
     grant,
+    holder,
     limits_in_force,
     rates_in_force,
     rates_text,
+    stale,
     use_of,
+    waiting_reason,
 )
-from .flows import MINUTE, flow_stats, waiting_reason
+from .flows import MINUTE, flow_stats
 from .memory import Tables
 
 
@@ -163,8 +167,56 @@ class InMemoryFlows:
             self.limits[name] = limits.text() if limits is not None else None
             now = self.clock()
             for key, rows in list(self.parked.items()):
-                for flow in {name for _, _, name in rows}:
-                    self._wake(flow, key, len(rows), now)
+                self._wake(name, key, len(rows), now)
+
+    def reconcile(self, flows: Sequence[Flow]) -> dict[str, int]:
+        """Release the rows no flow of ``flows`` holds as they are held (those of
+        the tables when given); how many, by the flow that held them."""
+        with self._lock:
+            now = self.clock()
+            holdings = [
+                Holding(row_id, task, name, True)
+                for rows in self.parked.values()
+                for row_id, task, name in rows
+            ]
+            holdings += self._held(now)
+            released: Counter[str] = Counter()
+            for row in stale(tuple(flows), holdings, self.changed):
+                released[row.flow] += self._release(row, now)
+        return {name: count for name, count in sorted(released.items()) if count}
+
+    def _held(self, now: float) -> list[Holding]:
+        """The tables' rows a flow's rates hold back, not leased."""
+        if self.tables is None:
+            return []
+        found = []
+        with self.tables.lock:
+            for row in self.tables.rows.values():
+                if row.lease_token is not None or row.available_at <= now:
+                    continue
+                name = holder(row.last_error, None)
+                if name is not None:
+                    found.append(Holding(row.id, row.envelope.task_name, name, False))
+        return found
+
+    def _release(self, held: Holding, now: float) -> int:
+        """``held`` due now, unless a relay has it; 1 when released."""
+        if held.parked:
+            for key, rows in self.parked.items():
+                mine = [row for row in rows if row[0] == held.id]
+                if mine:
+                    self.parked[key] = [row for row in rows if row not in mine]
+                    break
+            else:
+                return 0
+        if self.tables is None:
+            return 1
+        with self.tables.lock:
+            row = self.tables.rows.get(held.id)
+            if row is None or row.lease_token is not None:
+                return 0
+            self.tables.rows[held.id] = dataclasses.replace(row, available_at=now)
+        return 1
 
     def _grant(self, flow: Flow, wanted: int, now: float) -> Grant:
         rates = rates_in_force(flow, self.changed.get(flow.name))
@@ -248,7 +300,7 @@ class InMemoryFlows:
                     running = per_key[(key, True)] + per_key[(key, False)]
                     slots.append((name, key, running, per_key[(key, False)]))
             parked = Counter(
-                (task, key) for key, rows in self.parked.items() for _, task, _ in rows
+                (name, key) for key, rows in self.parked.items() for _, _, name in rows
             )
         by_task: Counter[str] = Counter()
         if self.tables is not None:
@@ -261,7 +313,7 @@ class InMemoryFlows:
             sorted(by_task.items()),
             limits,
             slots,
-            [(task, key, n) for (task, key), n in sorted(parked.items())],
+            [(name, key, n) for (name, key), n in sorted(parked.items())],
         )
 
     def reset_connection(self) -> None:

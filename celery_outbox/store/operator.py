@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import models, transaction
 
 from ..envelope import Envelope, load_json
-from ..states import BLOCKED, DEAD, REVOKED
+from ..states import BLOCKED, DEAD, PARKED, REVOKED
 from ..text import storable
 from .dialects import (
     DEAD_TABLE,
@@ -27,6 +27,7 @@ from .dialects import (
     WAITING_SINCE,
     placeholders,
 )
+from .flows import parked_by_flow
 from .history import HistoryWriter
 from .types import (
     BacklogGroup,
@@ -130,6 +131,16 @@ class OperatorQueries(HistoryWriter):
                 [groups],
             )
             rows = cursor.fetchall()
+            cursor.execute(
+                f"SELECT flow_key, last_error, COUNT(*) FROM {MESSAGE_TABLE} WHERE "
+                f"state = '{PARKED}' GROUP BY flow_key, last_error",
+                [],
+            )
+            parked: dict[str, int] = {}
+            for name, _, count in parked_by_flow(
+                (str(k), str(e or ""), int(n)) for k, e, n in cursor.fetchall()
+            ):
+                parked[name] = parked.get(name, 0) + count
         backlog = tuple(
             BacklogGroup(
                 str(name),
@@ -150,6 +161,7 @@ class OperatorQueries(HistoryWriter):
             backlog=backlog,
             scheduled=stats.scheduled,
             next_due_seconds=stats.next_due_seconds,
+            parked=tuple(sorted(parked.items())),
         )
 
     def top_failures(self, limit: int = 10) -> TopFailures:

@@ -349,7 +349,15 @@ class FlowStore(Protocol):
 
     def set_limits(self, name: str, limits: Limits | None) -> None:
         """Put ``limits`` in force for the flow ``name`` at the next decision of
-        every relay (parked rows are woken); None goes back to the settings'."""
+        every relay (its parked rows are woken, no other flow's); None goes back to
+        the settings'."""
+        ...
+
+    def reconcile(self, flows: Sequence[Flow]) -> dict[str, int]:
+        """Release, due now, each row a flow parked or held that the flows of the
+        settings (``flows``) no longer hold so: its flow is gone, renamed, lost its
+        limits per key or its rates, or no longer covers the task. Each row once,
+        however many relays start at once; how many, by the flow that held them."""
         ...
 
     def flow_stats(self, flows: Sequence[Flow]) -> tuple[FlowStats, ...]:

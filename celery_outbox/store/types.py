@@ -97,6 +97,9 @@ class Summary:
     #: Rows held until their ETA, and the seconds until the first of them is due.
     scheduled: int = 0
     next_due_seconds: float | None = None
+    #: Rows parked for a slot of their flow key, by the flow that parked them
+    #: (one no longer configured included; "" when none is named).
+    parked: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -487,6 +487,8 @@ class FlowContract:
                 "running": 0,
                 "queued": 0,
                 "keys": [],
+                "parked": 0,
+                "configured": True,
             },
             "mailer": {
                 "name": "mailer",
@@ -500,6 +502,8 @@ class FlowContract:
                 "running": 0,
                 "queued": 0,
                 "keys": [],
+                "parked": 0,
+                "configured": True,
             },
         }
 
@@ -529,3 +533,80 @@ class FlowContract:
         assert errors == []
         # 64 wanted, 49 left in the window: every one of them, and not one more.
         assert sum(granted) == 49
+
+    # -- a setting's state, reconciled with the settings ---------------------------
+
+    def park_two(self, flows: FlowHarness, partner: Flow) -> None:
+        """Three rows of key 'a' under running 1: one goes, two are parked."""
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a"), of_key("a3", "a")])
+        decided, _ = self.decide(flows, partner)
+        assert (len(decided.free), len(decided.waiting)) == (1, 2)
+
+    def test_a_flow_removed_from_the_settings_has_its_parked_rows_released_once(
+        self, flows: FlowHarness
+    ) -> None:
+        self.park_two(flows, keyed_flow(running=1))
+        stats = flows.flows.flow_stats([])
+        assert [(s.name, s.configured, s.parked) for s in stats] == [
+            ("partner", False, 2)
+        ]
+        assert flows.flows.reconcile([]) == {"partner": 2}
+        assert flows.flows.reconcile([]) == {}  # each row once
+        assert tags(flows.claim(50)[1]) == ["a2", "a3"]
+        assert flows.flows.flow_stats([]) == ()
+
+    @pytest.mark.parametrize(
+        "now",
+        [
+            Flow("renamed", ("shop.call_partner",), (), parse_limits({"running": 1})),
+            Flow("partner", ("shop.call_partner",), (parse_rate("5/s"),)),
+            Flow("partner", ("shop.other",), (), parse_limits({"running": 1})),
+        ],
+        ids=["renamed", "lost-its-limits", "no-longer-covers-the-task"],
+    )
+    def test_a_flow_that_no_longer_holds_its_parked_rows_releases_them(
+        self, flows: FlowHarness, now: Flow
+    ) -> None:
+        self.park_two(flows, keyed_flow(running=1))
+        assert flows.flows.reconcile([now]) == {"partner": 2}
+        assert tags(flows.claim(50)[1]) == ["a2", "a3"]
+
+    def test_rows_a_flow_still_holds_stay_parked_at_a_relays_start(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        self.park_two(flows, partner)
+        assert flows.flows.reconcile([partner]) == {}
+        assert tags(flows.claim(50)[1]) == []
+        assert flows.flows.flow_stats([partner])[0].parked == 2
+
+    def test_limits_changed_on_one_flow_wake_its_parked_rows_and_no_others(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1)
+        mailer = Flow(
+            "mailer", ("shop.send_mail",), (), parse_limits({"running": 1}), 300.0
+        )
+        flows.enqueue(
+            [of_key(f"p{i}", "a") for i in (1, 2)]
+            + [of_key(f"m{i}", "a", "shop.send_mail") for i in (1, 2)]
+        )
+        token, messages = flows.claim(50)
+        for each in (partner, mailer):
+            mine = [candidate(m) for m in messages if each.covers(m.envelope.task_name)]
+            assert len(flows.flows.decide(each, mine, token).waiting) == 1
+        flows.flows.set_limits("mailer", Limits(KeyLimit(running=2)))
+        assert tags(flows.claim(50)[1]) == ["m2"]
+
+    def test_a_key_an_operator_adds_is_the_first_its_keys_match(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=2, keys={"premium-*": {"running": 5}})
+        flows.flows.set_limits(
+            "partner", partner.limits.put("premium-7", KeyLimit(running=1))
+        )
+        flows.enqueue([of_key(f"p{i}", "premium-7") for i in range(4)])
+        decided, _ = self.decide(flows, partner)
+        assert (len(decided.free), len(decided.waiting)) == (1, 3)
+        stats = flows.flows.flow_stats([partner])[0]
+        assert [p for p, _ in stats.limits.keys] == ["premium-7", "premium-*"]

@@ -64,3 +64,26 @@ def test_flows_are_neither_added_nor_deleted_in_the_admin(
     admin_client: Client,
 ) -> None:
     assert admin_client.get(f"{FLOWS}add/").status_code == 403
+
+
+@override_settings(CELERY_OUTBOX_FLOWS={**PARTNER, **TENANTS})
+@pytest.mark.parametrize(
+    ("flow", "limits", "said"),
+    [
+        ("tenants", '{"runing": 3}', "unknown: [&#x27;runing&#x27;]"),
+        ("tenants", "{}", "sets no limit"),
+        ("partner", '{"running": 1}', "has no limits per key in CELERY_OUTBOX_FLOWS"),
+    ],
+)
+def test_limits_no_relay_would_apply_are_refused_with_the_fix(
+    admin_client: Client, flow: str, limits: str, said: str
+) -> None:
+    flows = Stores("default").flows()
+    configured = {f.name: f for f in get_settings().flows}
+    flows.reserve(configured[flow], 1)
+    refused = admin_client.post(
+        f"{FLOWS}{flow}/change/", {"rates": "", "limits": limits}
+    )
+    assert refused.status_code == 200
+    assert said in refused.content.decode()
+    assert flows.flow_stats([configured[flow]])[0].limits_changed is False

@@ -14,6 +14,7 @@ from django.core.management.base import CommandError
 from django.db import transaction
 from django.test import override_settings
 
+from celery_outbox.cli.exits import ExitStatus
 from celery_outbox.conf import get_settings
 from celery_outbox.flow.core import KEY_HEADER
 from celery_outbox.flow.gate import candidate
@@ -66,6 +67,8 @@ def test_stats_show_each_flows_backlog_recent_publishes_and_rate(
             "running": 0,
             "queued": 0,
             "keys": [],
+            "parked": 0,
+            "configured": True,
         }
     ]
     assert outbox("flows", "stats").splitlines()[:1] == [
@@ -134,7 +137,7 @@ def test_a_limit_changed_by_command_is_the_next_decisions_and_reset_undoes_it(
     assert (len(first.free), len(first.waiting)) == (1, 3)
     assert outbox("flows", "stats").splitlines()[1:] == [
         "tenants: waiting 4  published in the last minute 1  no rate",
-        "  per key: running 1 (settings)  running 1  queued 1",
+        "  per key: running 1 (settings)  running 1  queued 1  parked 3",
         "  key 't': running 1  queued 1  waiting 3  limit running 1",
     ]
     assert outbox("flows", "limit", "tenants", "--key", "t*", "--running", "3") == (
@@ -172,3 +175,101 @@ def test_a_wrong_limit_command_changes_nothing_and_says_why(
     assert said in str(raised.value)
     stats = json.loads(outbox("flows", "stats", "--format", "json"))[1]
     assert (stats["limits"], stats["limits_changed"]) == ({"running": 1}, False)
+
+
+def test_an_empty_key_is_refused_as_a_usage_error_and_nothing_is_lost(
+    on_alias: str,
+) -> None:
+    outbox("flows", "limit", "tenants", "--running", "2")
+    with pytest.raises(CommandError) as raised:
+        outbox("flows", "limit", "tenants", "--key", "", "--running", "3")
+    assert raised.value.returncode == ExitStatus.USAGE
+    assert "--key" in str(raised.value) and "--key 'premium-*'" in str(raised.value)
+    stats = json.loads(outbox("flows", "stats", "--format", "json"))[1]
+    assert (stats["limits"], stats["limits_changed"]) == ({"running": 2}, True)
+
+
+def test_a_reset_of_a_key_never_set_says_nothing_changed_and_fails(
+    on_alias: str,
+) -> None:
+    outbox("flows", "limit", "tenants", "--key", "vip-*", "--running", "3")
+    with pytest.raises(CommandError) as raised:
+        outbox("flows", "limit", "tenants", "--key", "never-set", "--reset")
+    assert raised.value.returncode == ExitStatus.FAILED
+    assert "'never-set' has no limits of its own" in str(raised.value)
+    assert "nothing changed" in str(raised.value)
+    stats = json.loads(outbox("flows", "stats", "--format", "json"))[1]
+    assert stats["limits"] == {"running": 1, "keys": {"vip-*": {"running": 3}}}
+
+
+def test_a_key_set_by_command_runs_at_the_limit_the_command_printed(
+    on_alias: str,
+) -> None:
+    premium = {
+        "tenants": {
+            "tasks": ["shop.per_tenant"],
+            "running": 2,
+            "keys": {"premium-gold-*": {"running": 6}, "premium-*": {"running": 5}},
+        }
+    }
+    with override_settings(CELERY_OUTBOX_FLOWS=premium):
+        said = outbox(
+            "flows", "limit", "tenants", "--key", "premium-7", "--running", "1"
+        )
+        assert "premium-7: running 1; premium-gold-*" in said
+        outbox("flows", "limit", "tenants", "--running", "3")
+        (tenants,) = get_settings().flows
+        with transaction.atomic(using=on_alias):
+            Stores(on_alias).writer().insert(
+                [
+                    envelope(
+                        f"{key}-{i}",
+                        task_name="shop.per_tenant",
+                        headers={KEY_HEADER: key},
+                    )
+                    for key in ("premium-7", "premium-gold-1")
+                    for i in range(7)
+                ]
+            )
+        claim = Stores(on_alias).relay().claim(50, 30.0)
+        decided = (
+            Stores(on_alias)
+            .flows()
+            .decide(tenants, [candidate(m) for m in claim.messages], claim.token)
+        )
+        by_id = {m.id: m.envelope.headers[KEY_HEADER] for m in claim.messages}
+        free = [by_id[i] for i in decided.free]
+        # premium-7 at the 1 printed; the every-key change left gold's 6 alone.
+        assert (free.count("premium-7"), free.count("premium-gold-1")) == (1, 6)
+
+
+def test_rows_parked_by_a_flow_since_removed_are_counted_and_released(
+    on_alias: str,
+) -> None:
+    tenants = get_settings().flows[1]
+    with transaction.atomic(using=on_alias):
+        Stores(on_alias).writer().insert(
+            [
+                envelope(
+                    f"t{i}", task_name="shop.per_tenant", headers={KEY_HEADER: "t"}
+                )
+                for i in range(3)
+            ]
+        )
+    claim = Stores(on_alias).relay().claim(10, 30.0)
+    Stores(on_alias).flows().decide(
+        tenants, [candidate(m) for m in claim.messages], claim.token
+    )
+    renamed = {"partner": FLOWS["partner"], "tenants-v2": FLOWS["tenants"]}
+    with override_settings(CELERY_OUTBOX_FLOWS=renamed):
+        stats = json.loads(outbox("flows", "stats", "--format", "json"))
+        assert [(s["name"], s["configured"], s["parked"]) for s in stats[2:]] == [
+            ("tenants", False, 2)
+        ]
+        assert "tenants: not in CELERY_OUTBOX_FLOWS  parked 2" in outbox(
+            "flows", "stats"
+        )
+        assert "parked    2 (tenants 2)" in outbox("tasks", "stats")
+        said = outbox("flows", "limit", "tenants-v2", "--running", "2")
+        assert "flow 'tenants': 2 row(s) it held released" in said
+        assert len(Stores(on_alias).relay().claim(10, 30.0).messages) == 2

@@ -15,6 +15,7 @@ from django.test import override_settings
 from celery_outbox.app import retried_flow_key
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.checks import check_settings
+from celery_outbox.cli.flows import changed_limits
 from celery_outbox.conf import load_settings
 from celery_outbox.engine.gate import KeyGate
 from celery_outbox.engine.observations import LoopError
@@ -23,14 +24,19 @@ from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseErr
 from celery_outbox.flow.core import (
     FLOW_HEADER,
     KEY_HEADER,
+    Candidate,
     Decided,
     Flow,
     Grant,
     Rate,
     Use,
+    by_key,
     grant,
+    limits_in_force,
+    parse_limits,
     parse_rate,
     plan,
+    read_limits,
     use_of,
 )
 from celery_outbox.flow.gate import FlowGate, gate_for
@@ -576,3 +582,44 @@ def test_a_row_the_relay_dead_letters_frees_its_keys_slot_at_once() -> None:
     assert [key for key, _, _ in world.runs] == ["a"]
     assert world.runs[0][1] - start < 10.0
     assert len(world.store.dead) == 1
+
+
+# -- an operator's limits: the order stored is the order decided -----------------
+
+
+def test_a_key_named_by_command_goes_first_and_its_keys_get_the_limit_printed() -> None:
+    settings = parse_limits(
+        {"running": 2, "keys": {"premium-gold-*": {"running": 6}, "premium-*": {}}}
+    )
+    changed = changed_limits(settings, "premium-7", {"running": 1}, reset=False)
+    assert changed is not None
+    stored = limits_in_force(Flow("f", ("t",), (), settings), changed.text())
+    assert [p for p, _ in stored.keys] == ["premium-7", "premium-gold-*", "premium-*"]
+    rows = [Candidate(i, "premium-7", f"t{i}") for i in range(4)]
+    assert len(by_key(rows, stored, {}).free) == 1
+    # A key changed again goes first again; the every-key limit changes no key's.
+    again = changed_limits(stored, "premium-*", {"running": 5}, reset=False)
+    assert again is not None
+    assert [p for p, _ in again.keys] == ["premium-*", "premium-7", "premium-gold-*"]
+    every = changed_limits(settings, None, {"running": 3}, reset=False)
+    assert every is not None
+    kept = limits_in_force(Flow("f", ("t",), (), settings), every.text())
+    assert kept.of("premium-gold-1").running == 6
+    assert [p for p, _ in kept.keys] == ["premium-gold-*", "premium-*"]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ({"runing": 3}, "unknown: ['runing']"),
+        ({}, "sets no limit"),
+        ({"keys": {"": {"running": 1}}}, "keyed by flow keys or glob patterns"),
+        ([1], "limits per key are a dict"),
+    ],
+)
+def test_an_operators_limits_are_checked_as_the_settings_are(
+    value: Any, said: str
+) -> None:
+    with pytest.raises(ValueError, match=None) as raised:
+        read_limits(value)
+    assert said in str(raised.value)
