@@ -12,8 +12,9 @@ import pytest
 from django.db import connections, transaction
 
 from celery_outbox.exceptions import OutboxDatabaseError, OutboxValueError
-from celery_outbox.models import DedupKey, OutboxMessage
+from celery_outbox.models import DedupKey, DedupSlot, OutboxMessage
 from celery_outbox.store import Stores
+from celery_outbox.store.dialects import DEDUP_SLOTS
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import record
 
@@ -321,9 +322,13 @@ def is_deadlock(exc: BaseException) -> bool:
     found (MySQL/MariaDB 1213, PostgreSQL 40P01)."""
     if not isinstance(exc, OutboxDatabaseError):
         return False
-    driver = exc.__cause__.__cause__ if exc.__cause__ else None
-    code = getattr(driver, "sqlstate", None) or (driver.args[0] if driver else None)
-    return code in (1213, "40P01")
+    cause = exc.__cause__
+    while cause is not None:  # Django's error, then (on PostgreSQL) the driver's
+        code = getattr(cause, "sqlstate", None) or (cause.args or [None])[0]
+        if code in (1213, "40P01"):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 @dataclass
@@ -413,3 +418,24 @@ def test_crossed_keys_fail_fast_with_one_deadlock_and_the_bystander_goes_on(
     keys = dict(DedupKey.objects.using(alias).values_list("dedup_key", "task_id"))
     assert sorted(keys.values()) == sorted(waiting(alias))  # two rows, one per key
     assert race.results["t3"] == [keys["crossed-a"]]
+
+
+def test_the_slots_outlive_a_flush_and_one_found_missing_is_written_back(
+    settings: Any,
+) -> None:
+    """Migration 0014 writes the slot rows; the flush after each test leaves them
+    (the table is not Django's to flush). An emptied table does not stop an enqueue:
+    the key's slot row is written back."""
+    settings.CELERY_OUTBOX_DATABASE = "mysql"
+    settings.CELERY_OUTBOX_PUBLISH_ON_COMMIT = False
+    slots = DedupSlot.objects.using("mysql")
+    assert slots.count() == DEDUP_SLOTS
+    slots.all().delete()
+    try:
+        with transaction.atomic(using="mysql"):
+            sent = record.apply_async(("a",), dedup_key="slot-gone")
+        assert waiting("mysql") == [sent.id]
+        assert slots.count() == 1
+    finally:
+        slots.all().delete()
+        slots.bulk_create([DedupSlot(slot=slot) for slot in range(DEDUP_SLOTS)])
