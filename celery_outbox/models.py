@@ -151,6 +151,28 @@ class DedupKey(models.Model):
         return f"{self.dedup_key} -> {self.task_id}"
 
 
+class DedupSlot(models.Model):
+    """A row that writers of a ``dedup_key`` no row holds yet lock, on MySQL/MariaDB.
+
+    The rows exist before anyone locks them and are never deleted, so waiting for one
+    is an exclusive row lock InnoDB queues and sees in its deadlock detection (a
+    rollback hands it to the next writer; no shared locks of a duplicate key meet).
+    A key's slot is a hash of the key modulo
+    :data:`celery_outbox.store.dialects.DEDUP_SLOTS`. Not managed by
+    Django: a test run's flush would empty it; migration 0014 creates and fills it.
+    """
+
+    slot = models.PositiveIntegerField(primary_key=True)
+
+    class Meta:
+        managed = False
+        db_table = "celery_outbox_dedup_slot"
+        verbose_name = "deduplication slot"
+
+    def __str__(self) -> str:
+        return str(self.slot)
+
+
 class HistoryEvent(models.Model):
     """One thing that happened to a message, kept with ``CELERY_OUTBOX_HISTORY`` on.
 

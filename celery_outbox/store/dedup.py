@@ -14,23 +14,26 @@ each wait for the other's shared lock: a deadlock, which rolls back a caller's w
 transaction (a retry inside a savepoint cannot save it). Locking the key's row first
 is not enough: when its holder rolls back, the writers that waited for it insert at
 once and the same happens among them (three waiting writers: a deadlock in every
-round). So on InnoDB the step that finds or inserts a key no row holds runs under a
-named lock of that key (``GET_LOCK``, released as soon as the step is done): the
-writers of a key queue there, and at most one waits on the key's row at a time.
+round). So on InnoDB a writer of a key no row holds first locks the key's slot, a row
+of ``celery_outbox_dedup_slot`` that always exists (a hash of the key picks one of
+4,096), until its transaction ends: the writers of a key queue there with exclusive
+locks, and none waits on an uncommitted row of the key. Every wait is a row lock
+InnoDB sees, so a deadlock between callers (two keys taken in crossed order) is found
+at once and ends one transaction, as on PostgreSQL; a named lock (``GET_LOCK``, until
+0.2) hid such waits, and every writer involved hung until its timeout (#45).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, transaction
+from django.db import IntegrityError, transaction
 
 from ..envelope import Envelope
 from .base import StoreBase
-from .dialects import DEDUP_TABLE, MESSAGE_TABLE
+from .dialects import DEDUP_SLOT_TABLE, DEDUP_SLOTS, DEDUP_TABLE, MESSAGE_TABLE
 
 
 class DedupKeys(StoreBase):
@@ -63,11 +66,12 @@ class DedupKeys(StoreBase):
             found = None
             if dialect.duplicates_deadlock and self._visible(key):
                 # A row this transaction sees (committed, or its own): locking it
-                # never waits on an insert, so no named lock is needed.
+                # never waits on an insert, so the slot is not needed.
                 found = self._holder(key)
             if found is None:
-                with self._one_writer(key):
-                    found = self._take(key, task_id, until_sql, until_params)
+                if dialect.duplicates_deadlock:
+                    self._lock_slot(key)
+                found = self._take(key, task_id, until_sql, until_params)
                 if found is None:
                     return None
             holder, in_window = found
@@ -91,8 +95,10 @@ class DedupKeys(StoreBase):
     ) -> tuple[str, bool] | None:
         """Insert ``key`` for ``task_id`` (None), or find the row that holds it, locked.
 
-        On InnoDB the row is locked first: an exclusive wait for a writer that has
-        not committed yet, never the shared lock a refused INSERT takes.
+        On InnoDB, under the key's slot, the row is locked first: an exclusive wait
+        behind writers that lock a committed row directly, never the shared lock a
+        refused INSERT takes (which, asking for the exclusive one next, deadlocks with
+        them).
         """
         found = self._holder(key) if self.dialect.duplicates_deadlock else None
         while found is None:
@@ -101,31 +107,24 @@ class DedupKeys(StoreBase):
             found = self._holder(key)  # a concurrent writer took it first
         return found
 
-    @contextlib.contextmanager
-    def _one_writer(self, key: str) -> Iterator[None]:
-        """On InnoDB, hold the named lock of ``key`` while the block runs.
+    def _lock_slot(self, key: str) -> None:
+        """On InnoDB, lock the slot of ``key`` until the caller's transaction ends.
 
-        Writers of one key queue for it (as long as InnoDB lets a row lock wait);
-        locks of other keys are others. Released when the block ends, whatever
-        happens: the key's row, once inserted, holds the key for the transaction.
+        Writers of one key queue for it with exclusive locks, which a rollback hands
+        to the next one; every uncommitted row of the key is its holder's, so no
+        writer waits on one. A slot row found missing (a table emptied by hand) is
+        inserted: the writers of that slot are then safe again once it commits.
         """
-        if not self.dialect.duplicates_deadlock:
-            yield
-            return
-        name = _lock_name(str(self.connection.settings_dict["NAME"]), key)
+        slot = _slot(key)
+        select = f"SELECT slot FROM {DEDUP_SLOT_TABLE} WHERE slot = %s FOR UPDATE"
         with self.connection.cursor() as cursor:
-            cursor.execute("SELECT GET_LOCK(%s, @@innodb_lock_wait_timeout)", [name])
-            row = cursor.fetchone()
-        if row is None or row[0] != 1:
-            raise OperationalError(
-                f"waited longer than innodb_lock_wait_timeout for dedup_key {key!r} "
-                f"(named lock {name!r}): another transaction holding it runs long"
+            cursor.execute(select, [slot])
+            if cursor.fetchone() is not None:
+                return
+            cursor.execute(
+                f"INSERT IGNORE INTO {DEDUP_SLOT_TABLE} (slot) VALUES (%s)", [slot]
             )
-        try:
-            yield
-        finally:
-            with self.connection.cursor() as cursor:
-                cursor.execute("SELECT RELEASE_LOCK(%s)", [name])
+            cursor.execute(select, [slot])
 
     def _visible(self, key: str) -> bool:
         """Whether this transaction sees a row of ``key`` (a read that locks nothing)."""
@@ -189,8 +188,7 @@ class DedupKeys(StoreBase):
         )
 
 
-def _lock_name(database: str, key: str) -> str:
-    """The named lock of ``key`` in ``database``: named locks are server-wide, and
-    their names at most 64 characters long."""
-    digest = hashlib.sha1(f"{database}\x00{key}".encode(), usedforsecurity=False)
-    return f"celery_outbox.dedup.{digest.hexdigest()}"
+def _slot(key: str) -> int:
+    """The slot of ``key``: the same in every process, whatever its hash seed."""
+    digest = hashlib.sha1(key.encode(), usedforsecurity=False).digest()
+    return int.from_bytes(digest[:4], "big") % DEDUP_SLOTS

@@ -20,6 +20,10 @@ MESSAGE_TABLE = "celery_outbox_message"
 DEAD_TABLE = "celery_outbox_deadletter"
 RELAY_TABLE = "celery_outbox_relay"
 DEDUP_TABLE = "celery_outbox_dedup_key"
+DEDUP_SLOT_TABLE = "celery_outbox_dedup_slot"
+#: The rows of DEDUP_SLOT_TABLE (migration 0014 writes them): a key's slot is a hash
+#: of it modulo this, so two keys share a slot about once in this many pairs.
+DEDUP_SLOTS = 4096
 HISTORY_TABLE = "celery_outbox_history"
 FLOW_TABLE = "celery_outbox_flow"
 FLOW_RECORD_TABLE = "celery_outbox_flow_record"
@@ -30,6 +34,7 @@ TABLES = (
     DEAD_TABLE,
     RELAY_TABLE,
     DEDUP_TABLE,
+    DEDUP_SLOT_TABLE,
     HISTORY_TABLE,
     FLOW_TABLE,
     FLOW_RECORD_TABLE,

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from django.db import connections, transaction
 
-from celery_outbox.exceptions import OutboxValueError
-from celery_outbox.models import DedupKey, OutboxMessage
+from celery_outbox.exceptions import OutboxDatabaseError, OutboxValueError
+from celery_outbox.models import DedupKey, DedupSlot, OutboxMessage
 from celery_outbox.store import Stores
+from celery_outbox.store.dialects import DEDUP_SLOTS
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import record
 
@@ -297,3 +298,144 @@ def test_writers_waiting_on_a_key_whose_holder_rolls_back_see_no_error(
         orders = Order.objects.using(alias).filter(number__startswith=race.key)
         assert orders.count() == committed, f"round {round_}"
         OutboxMessage.objects.using(alias).all().delete()
+
+
+#: How long any lock wait of the crossed-keys test may last (MariaDB's
+#: innodb_lock_wait_timeout, PostgreSQL's lock_timeout): bounded, and far above
+#: the time either database takes to find a deadlock it can see.
+WAIT_LIMIT = 8
+#: Time for a thread to reach its lock wait before the next one starts.
+SETTLE = 0.4
+
+
+def bound_waits(alias: str) -> None:
+    """Bound every lock wait of this thread's connection to WAIT_LIMIT seconds."""
+    with connections[alias].cursor() as cursor:
+        if connections[alias].vendor == "mysql":
+            cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {WAIT_LIMIT}")
+        else:
+            cursor.execute(f"SET lock_timeout = '{WAIT_LIMIT}s'")
+
+
+def is_deadlock(exc: BaseException) -> bool:
+    """Whether ``exc`` is the package's database error for a deadlock the database
+    found (MySQL/MariaDB 1213, PostgreSQL 40P01)."""
+    if not isinstance(exc, OutboxDatabaseError):
+        return False
+    cause = exc.__cause__
+    while cause is not None:  # Django's error, then (on PostgreSQL) the driver's
+        code = getattr(cause, "sqlstate", None) or (cause.args or [None])[0]
+        if code in (1213, "40P01"):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+@dataclass
+class Crossed:
+    """Two transactions take keys A and B in crossed order; a bystander writes A."""
+
+    alias: str
+    started: float = field(default_factory=time.monotonic)
+    steps: dict[str, threading.Event] = field(
+        default_factory=lambda: {
+            name: threading.Event() for name in ("t1 has a", "t2 has b", "t3 waits")
+        }
+    )
+    errors: dict[str, BaseException] = field(default_factory=dict)
+    failed_at: list[float] = field(default_factory=list)
+    results: dict[str, list[str]] = field(default_factory=dict)
+
+    def run(self) -> None:
+        threads = {
+            name: threading.Thread(target=self.writer, args=(name, body))
+            for name, body in (("t1", self.t1), ("t2", self.t2), ("t3", self.t3))
+        }
+        for thread in threads.values():
+            thread.start()
+        for thread in threads.values():
+            thread.join(3 * WAIT_LIMIT)
+        assert not any(thread.is_alive() for thread in threads.values())
+
+    def writer(self, name: str, body: Any) -> None:
+        sent: list[str] = []
+        try:
+            bound_waits(self.alias)
+            with transaction.atomic(using=self.alias):
+                body(sent)
+            self.results[name] = sent
+        except BaseException as exc:
+            self.failed_at.append(time.monotonic() - self.started)
+            self.errors[name] = exc
+        finally:
+            for step in self.steps.values():
+                step.set()  # a failed thread holds nobody up
+            connections[self.alias].close()
+
+    def take(self, key: str, sent: list[str]) -> None:
+        sent.append(record.apply_async((key,), dedup_key=key, ignore_result=True).id)
+
+    def t1(self, sent: list[str]) -> None:
+        self.take("crossed-a", sent)
+        self.steps["t1 has a"].set()
+        assert self.steps["t3 waits"].wait(WAIT_LIMIT)
+        self.take("crossed-b", sent)  # waits for t2
+
+    def t2(self, sent: list[str]) -> None:
+        assert self.steps["t1 has a"].wait(WAIT_LIMIT)
+        self.take("crossed-b", sent)
+        self.steps["t2 has b"].set()
+        assert self.steps["t3 waits"].wait(WAIT_LIMIT)
+        time.sleep(SETTLE)  # t1 waits for b meanwhile
+        self.take("crossed-a", sent)  # waits for t1 (behind t3): the cycle
+
+    def t3(self, sent: list[str]) -> None:
+        assert self.steps["t2 has b"].wait(WAIT_LIMIT)
+        threading.Timer(SETTLE, self.steps["t3 waits"].set).start()
+        self.take("crossed-a", sent)  # waits for t1: the bystander
+
+
+@pytest.mark.parametrize("alias", ["mysql", "default"])
+def test_crossed_keys_fail_fast_with_one_deadlock_and_the_bystander_goes_on(
+    alias: str, settings: Any
+) -> None:
+    """T1 takes A then B, T2 takes B then A, T3 writes A while T1 holds it.
+
+    The database finds the deadlock between T1 and T2 at once and rolls one of them
+    back; the other and T3 finish. On MariaDB a named lock (GET_LOCK) hid T2's wait
+    from InnoDB: all three hung until innodb_lock_wait_timeout (49 s by default),
+    then T3 failed with 1205 and T1 or T2 with 1213 (#45).
+    """
+    settings.CELERY_OUTBOX_DATABASE = alias
+    settings.CELERY_OUTBOX_PUBLISH_ON_COMMIT = False
+    race = Crossed(alias)
+    race.run()
+    assert list(race.errors) in (["t1"], ["t2"]), race.errors
+    [error] = race.errors.values()
+    assert is_deadlock(error), repr(error)
+    assert race.failed_at[0] < 3.0  # PostgreSQL's deadlock_timeout is 1 s
+    assert sorted(race.results) == sorted({"t1", "t2", "t3"} - set(race.errors))
+    keys = dict(DedupKey.objects.using(alias).values_list("dedup_key", "task_id"))
+    assert sorted(keys.values()) == sorted(waiting(alias))  # two rows, one per key
+    assert race.results["t3"] == [keys["crossed-a"]]
+
+
+def test_the_slots_outlive_a_flush_and_one_found_missing_is_written_back(
+    settings: Any,
+) -> None:
+    """Migration 0014 writes the slot rows; the flush after each test leaves them
+    (the table is not Django's to flush). An emptied table does not stop an enqueue:
+    the key's slot row is written back."""
+    settings.CELERY_OUTBOX_DATABASE = "mysql"
+    settings.CELERY_OUTBOX_PUBLISH_ON_COMMIT = False
+    slots = DedupSlot.objects.using("mysql")
+    assert slots.count() == DEDUP_SLOTS
+    slots.all().delete()
+    try:
+        with transaction.atomic(using="mysql"):
+            sent = record.apply_async(("a",), dedup_key="slot-gone")
+        assert waiting("mysql") == [sent.id]
+        assert slots.count() == 1
+    finally:
+        slots.all().delete()
+        slots.bulk_create([DedupSlot(slot=slot) for slot in range(DEDUP_SLOTS)])
