@@ -188,8 +188,8 @@ class Reporter:
                     self._writing = None
                     if self._pending.get(key) is report:
                         del self._pending[key]
-                        if not written:  # to the back, for the others' turn
-                            self._pending[key] = report
+                        if not written:
+                            self._requeue(key, report)
                     self._changed.notify_all()
                 failures = 0 if written else failures + 1
                 if failures:
@@ -205,6 +205,18 @@ class Reporter:
                     stopped.wait(delay)
         finally:
             connections.close_all()  # this thread's own
+
+    def _requeue(self, key: Hashable, report: _Report) -> None:
+        """Put a report the database did not take at the back, for the others'
+        turn, with the later reports of its task behind it: a task's start is never
+        written after its end (a slot would stay taken until its lease)."""
+        later = [
+            (k, r) for k, r in self._pending.items() if r.task_id == report.task_id
+        ]
+        for k, _ in later:
+            del self._pending[k]
+        self._pending[key] = report
+        self._pending.update(later)
 
     def _write(self, report: _Report) -> bool:
         """Write ``report``; False when the database did not take it (to be tried

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.db import connections, transaction
@@ -97,3 +98,32 @@ def test_a_report_not_written_by_the_shutdown_is_named() -> None:
     with override_settings(CELERY_OUTBOX_DATABASE=REAL):
         reporter.send(down, "t-1", "succeeded")
     assert reporter.stop(0.3) == ["t-1 (succeeded)"]
+
+
+def test_a_tasks_reports_are_written_in_their_order_after_an_outage() -> None:
+    """A start the database refused is not overtaken by its task's end."""
+    reporter = Reporter(random_source=lambda: 0.0)
+    written: list[str] = []
+    refusals = {"a": 2}
+
+    def report(name: str) -> Any:
+        def write(_: Stores) -> int:
+            task = name.split()[0]
+            if refusals.get(task, 0) and name.endswith("started"):
+                refusals[task] -= 1
+                raise OutboxDatabaseError("connection refused")
+            written.append(name)
+            return 1
+
+        return write
+
+    with override_settings(CELERY_OUTBOX_DATABASE=REAL):
+        for name in ("a started", "a succeeded", "b started", "b succeeded"):
+            task, state = name.split()
+            reporter.send(report(name), task, state, slot=name)
+        assert reporter.wait(20.0)
+    assert written.index("a started") < written.index("a succeeded")
+    assert written.index("b started") < written.index("b succeeded")
+    # The refused report did not hold back the other task's.
+    assert written.index("b started") < written.index("a started")
+    assert reporter.stop(1.0) == []
