@@ -5,7 +5,8 @@ The gate takes a slot of a task's flow key when it lets the task go
 task tells the outbox when it starts (its slot is no longer ``queued``) and when
 it ends, however it ends (:mod:`celery_outbox.engine.endings`, the same signals
 strict ordering hears): its slot frees, and a row of the key that waited for one
-is due at once. The reports go through the process's reporter thread
+is due at once; a run that puts its task back in the broker (``Reject(requeue=True)``)
+keeps the slot, queued again, for the run to come. The reports go through the process's reporter thread
 (:mod:`celery_outbox.engine.reports`), which writes each until it is written; a
 report that is lost (its worker was killed) leaves the slot taken until the
 flow's ``lease`` is over.
@@ -22,7 +23,8 @@ from celery.signals import task_prerun
 from ..conf import get_settings
 from ..engine import endings, reports
 from ..engine.endings import TaskEnd, watched_headers
-from ..engine.reports import REPORTER
+from ..engine.reports import REPORTER, Write
+from ..ordering.core import Ending
 from .core import FLOW_HEADER, KEY_HEADER, Flow
 
 logger = logging.getLogger("celery_outbox.flow")
@@ -50,7 +52,8 @@ def keyed(headers: Mapping[str, Any] | None) -> tuple[Flow, str] | None:
 
 
 def report_end(end: TaskEnd) -> None:
-    """Queue the freeing of the slot of a flow key's task that ended (``end``)."""
+    """Queue the report of a flow key's task's run that ended (``end``): its slot
+    frees, or is queued again when the run put its task back in the broker."""
     try:
         found = keyed(end.headers)
         if found is None:
@@ -58,13 +61,22 @@ def report_end(end: TaskEnd) -> None:
         flow, key = found
         task_id = end.task_id
         REPORTER.send(
-            lambda stores: stores.flows().task_ended(flow, key, task_id),
+            _end_written(end.ending, flow, key, task_id),
             task_id,
             end.ending.value,
             slot=("flow-end", flow.name, task_id),
         )
     except Exception:
         logger.exception("flow: cannot report the end of task %s", end.task_id)
+
+
+def _end_written(ending: Ending, flow: Flow, key: str, task_id: str) -> Write:
+    """What a run's end writes: a requeued task (back in the broker, to run again:
+    published and not finished) keeps its slot, queued again; any other ending
+    frees it."""
+    if ending is Ending.REQUEUED:
+        return lambda stores: stores.flows().task_requeued(flow, key, task_id)
+    return lambda stores: stores.flows().task_ended(flow, key, task_id)
 
 
 def _started(task: Any = None, task_id: str = "", **_: Any) -> None:

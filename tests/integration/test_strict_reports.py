@@ -29,9 +29,11 @@ from celery.worker.request import Request
 from django.db import connections, transaction
 from kombu.message import Message
 
+from celery_outbox.conf import get_settings
 from celery_outbox.engine.reports import wait_for_reports
 from celery_outbox.envelope import StoredMessage
-from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.flow.gate import FlowGate
+from celery_outbox.models import DeadLetter, FlowSlot, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
 from celery_outbox.ordering.options import Ordering
 from celery_outbox.outcomes import Settlement
@@ -354,3 +356,31 @@ def test_a_head_the_worker_does_not_know_blocks_its_key(on_alias: str) -> None:
     (blocked,) = stores.ordering().ordering_stats().blocked
     assert blocked.id == head.id
     assert "never registered" in blocked.last_error
+
+
+# -- a flow key's task that puts its message back ----------------------------------
+
+
+def test_a_flow_keys_task_that_requeues_its_message_keeps_its_slot_queued(
+    on_alias: str, settings: Any
+) -> None:
+    # Reject(requeue=True): the task runs again. Its slot freed, the key's next
+    # task would be published and run beside it: two under running 1.
+    settings.CELERY_OUTBOX_FLOWS = {
+        "partner": {"tasks": [rejects.name, record.name], "running": 1}
+    }
+    with transaction.atomic(using=on_alias):
+        rejects.apply_async((True,), flow_key="a")
+        record.apply_async(("next",), flow_key="a")
+    stores = Stores(on_alias)
+    store = stores.relay()
+    claim = store.claim(10, 30)
+    gate = FlowGate(get_settings().flows, stores.flows())
+    (published,) = gate.admit(claim.messages, claim.token).admitted
+    store.settle(claim.token, Settlement(delete=(published.id,)))
+    assert run_on_worker(published, rejects) == "REJECTED"
+    slots = FlowSlot.objects.using(on_alias).filter(flow="partner", flow_key="a")
+    assert list(slots.values_list("task_id", "started")) == [
+        (published.envelope.task_id, False)  # back in the queue, not started
+    ]
+    assert store.claim(10, 30).messages == ()  # "next" still waits its turn
