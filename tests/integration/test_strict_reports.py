@@ -361,26 +361,60 @@ def test_a_head_the_worker_does_not_know_blocks_its_key(on_alias: str) -> None:
 # -- a flow key's task that puts its message back ----------------------------------
 
 
-def test_a_flow_keys_task_that_requeues_its_message_keeps_its_slot_queued(
-    on_alias: str, settings: Any
-) -> None:
-    # Reject(requeue=True): the task runs again. Its slot freed, the key's next
-    # task would be published and run beside it: two under running 1.
-    settings.CELERY_OUTBOX_FLOWS = {
-        "partner": {"tasks": [rejects.name, record.name], "running": 1}
-    }
-    with transaction.atomic(using=on_alias):
-        rejects.apply_async((True,), flow_key="a")
+@shared_task(name="tests.flow.rejects_late", acks_late=True)
+def rejects_late(requeue: bool) -> None:
+    """``rejects``, acknowledged late: a requeue puts its message back."""
+    raise Reject("refused", requeue=requeue)
+
+
+def flow_slots_after_a_reject(alias: str, task: Any) -> list[tuple[str, bool]]:
+    """A flow key's ``task(True)`` published (a slot of key "a" taken under
+    ``running: 1``, a second task of the key parked) and run; the key's slots
+    then, and whether the parked task was woken."""
+    with transaction.atomic(using=alias):
+        task.apply_async((True,), flow_key="a")
         record.apply_async(("next",), flow_key="a")
-    stores = Stores(on_alias)
+    stores = Stores(alias)
     store = stores.relay()
     claim = store.claim(10, 30)
     gate = FlowGate(get_settings().flows, stores.flows())
     (published,) = gate.admit(claim.messages, claim.token).admitted
     store.settle(claim.token, Settlement(delete=(published.id,)))
-    assert run_on_worker(published, rejects) == "REJECTED"
-    slots = FlowSlot.objects.using(on_alias).filter(flow="partner", flow_key="a")
-    assert list(slots.values_list("task_id", "started")) == [
-        (published.envelope.task_id, False)  # back in the queue, not started
+    assert run_on_worker(published, task) == "REJECTED"
+    slots = FlowSlot.objects.using(alias).filter(flow="partner", flow_key="a")
+    return [
+        (published.envelope.task_id == task_id, started)
+        for task_id, started in slots.values_list("task_id", "started")
     ]
+
+
+FLOWS = {
+    "partner": {
+        "tasks": [rejects.name, rejects_late.name, record.name],
+        "running": 1,
+    }
+}
+
+
+def test_a_flow_keys_task_that_requeues_its_message_keeps_its_slot_queued(
+    on_alias: str, settings: Any
+) -> None:
+    # Reject(requeue=True) of an acks_late task: it runs again. Its slot freed,
+    # the key's next task would be published and run beside it: two under
+    # running 1.
+    settings.CELERY_OUTBOX_FLOWS = FLOWS
+    slots = flow_slots_after_a_reject(on_alias, rejects_late)
+    assert slots == [(True, False)]  # its own, back in the queue, not started
+    store = Stores(on_alias).relay()
     assert store.claim(10, 30).messages == ()  # "next" still waits its turn
+
+
+def test_a_flow_keys_task_whose_requeue_puts_nothing_back_frees_its_slot(
+    on_alias: str, settings: Any
+) -> None:
+    # Acknowledged as its run began: Celery's reject does nothing, the task
+    # never runs again, and its slot would wait for the lease.
+    settings.CELERY_OUTBOX_FLOWS = FLOWS
+    assert flow_slots_after_a_reject(on_alias, rejects) == []
+    (woken,) = Stores(on_alias).relay().claim(10, 30).messages
+    assert woken.envelope.task_name == record.name
