@@ -15,8 +15,12 @@ class CeleryOutboxConfig(AppConfig):
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
         from .conf import get_settings
+        from .flow.worker import watch
 
         # Every process that loads Django (web, worker, relay, commands) refuses
         # wrong CELERY_OUTBOX_* settings now, all of them in one message, instead
         # of at its first enqueue.
         get_settings()
+        # A worker whose app is a plain Celery() never connects the flow's reports;
+        # Django's start is the one place its process surely passes through.
+        watch()

@@ -17,7 +17,9 @@ Which signal tells which ending (a prefork pool; solo and threads pools run
 everything in the main process):
 
 * succeeded, failed, rejected or requeued (``Reject``), ignored, replaced:
-  ``task_postrun``, its state and return value, in the child that ran the task;
+  ``task_postrun``, its state and return value, in the child that ran the task
+  (a ``Reject(requeue=True)`` requeues an ``acks_late`` task's message only: any
+  other's was acknowledged as its run began);
 * retried: ``task_retry``, in the child (``self.retry()``, autoretry), or in the
   main process (5.7's ``retry_on_worker_lost``, a cancel on a lost connection);
 * revoked, expired, terminated: ``task_revoked``, in the main process only;
@@ -159,11 +161,15 @@ def watched_in(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
 # -- what each signal says ---------------------------------------------------------
 
 
-def ending_after_run(state: str | None, retval: Any) -> Ending | None:
+def ending_after_run(
+    state: str | None, retval: Any, acks_late: bool = True
+) -> Ending | None:
     """The ending ``task_postrun`` tells: its state, and for some its return value.
 
     None for a retry (``task_retry`` tells it) and for a run cut short before its
-    state was known.
+    state was known. A ``Reject(requeue=True)`` puts the message back only when
+    the task acknowledges late (``acks_late``): otherwise Celery acknowledged it
+    as the run began, and its reject does nothing.
     """
     if state == states.SUCCESS:
         return Ending.SUCCEEDED
@@ -171,7 +177,9 @@ def ending_after_run(state: str | None, retval: Any) -> Ending | None:
         return Ending.FAILED
     if state == states.REJECTED:
         requeue = isinstance(retval, Reject) and bool(getattr(retval, "requeue", 0))
-        return Ending.REQUEUED if requeue else Ending.REJECTED
+        if not requeue:
+            return Ending.REJECTED
+        return Ending.REQUEUED if acks_late else Ending.NOT_REQUEUED
     if state == states.IGNORED:
         return Ending.REPLACED if isinstance(retval, Replaced) else Ending.IGNORED
     return None
@@ -247,7 +255,7 @@ def _after_run(
     headers = watched_headers(getattr(task, "request", None))
     if headers is None:
         return
-    ending = ending_after_run(state, retval)
+    ending = ending_after_run(state, retval, bool(getattr(task, "acks_late", False)))
     if ending is None:
         return
     error, kind = ("", "")

@@ -137,16 +137,31 @@ def candidate(message: StoredMessage) -> Candidate:
 
 
 def named(message: StoredMessage, flow: str) -> StoredMessage:
-    """``message`` naming ``flow`` in its headers when it took a slot of its key in
-    ``flow``: the worker reports its start and end to the flow its headers name, so
-    they name the flow whose slot the relay took. The sender named the flow of its
-    own settings: none for a row written before the flow was configured (its slot
-    would wait for the lease), or another flow under other settings."""
-    headers = message.envelope.headers
-    if candidate(message).key is None or headers.get(FLOW_HEADER) == flow:
+    """``message`` as it goes out when it took a slot of its key in ``flow``:
+    naming ``flow``, and with no time to live in the broker.
+
+    The worker reports its start and end to the flow its headers name, so they
+    name the flow whose slot the relay took. The sender named the flow of its own
+    settings: none for a row written before the flow was configured (its slot
+    would wait for the lease), or another flow under other settings.
+
+    A task sent with ``expires=`` carries it twice: the ``expires`` header, which
+    a worker reads (it discards the expired task with ``task_revoked``, whose
+    report frees the slot), and a broker TTL (``expiration``), by which RabbitMQ
+    drops it unseen, and then no one frees the slot until the lease. The TTL goes;
+    the header still expires the task, at the same moment.
+    """
+    envelope = message.envelope
+    if candidate(message).key is None:
         return message
+    headers, properties = envelope.headers, envelope.properties
+    ttl = "expiration" in properties and headers.get("expires") is not None
+    if headers.get(FLOW_HEADER) == flow and not ttl:
+        return message
+    if ttl:
+        properties = {k: v for k, v in properties.items() if k != "expiration"}
     envelope = dataclasses.replace(
-        message.envelope, headers={**headers, FLOW_HEADER: flow}
+        envelope, headers={**headers, FLOW_HEADER: flow}, properties=properties
     )
     return dataclasses.replace(message, envelope=envelope)
 

@@ -112,6 +112,9 @@ class Ending(enum.Enum):
     FAILED = "failed"  # the body raised, no retry left
     RETRIED = "retried"  # self.retry()/autoretry, a retry after a lost worker, a cancel
     REQUEUED = "requeued"  # Reject(requeue=True), a time limit's requeue (acks_late)
+    #: Reject(requeue=True) of a message acknowledged when its run began (no
+    #: ``acks_late``): Celery's reject does nothing, the message is gone.
+    NOT_REQUEUED = "not_requeued"
     REJECTED = "rejected"  # Reject(requeue=False): the message is dropped
     IGNORED = "ignored"  # Ignore: the task chose to record no state
     REPLACED = "replaced"  # self.replace(): the replacement carries the task on
@@ -147,6 +150,8 @@ REPORTS: Mapping[Ending, Report] = {
     Ending.REFUSED: Report.FAILED,
     Ending.RETRIED: Report.HELD,
     Ending.REQUEUED: Report.HELD,
+    # Published again when its running lease ends: a run again, as it asked.
+    Ending.NOT_REQUEUED: Report.HELD,
     Ending.REPLACED: Report.HELD,
     Ending.LOST: Report.AGAIN,
 }

@@ -145,6 +145,25 @@ class FlowQueries(StoreBase):
                 return 0
             return self._wake(cursor, flow, key, max(len(started), 1))
 
+    def task_requeued(self, flow: Flow, key: str, task_id: str) -> int:
+        """A run of ``key`` ended and put its task back in the broker
+        (``Reject(requeue=True)``, a time limit's requeue): the task is published
+        and not finished, so its slot stays, queued again, its lease from now
+        (taken again if it had expired). Freed, its place would go to the key's
+        next task while this one runs again: one more than ``running`` at once."""
+        with self._report(flow) as (cursor, _):
+            found = self._slot_of(cursor, flow, task_id, started_first=True)
+            if found is None:
+                self._take_slots(cursor, flow, [Candidate(0, key, task_id)])
+                return 0
+            until_sql, until_params = self.dialect.after(flow.lease)
+            cursor.execute(
+                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
+                f"WHERE id = %s",
+                [False, *until_params, found[0]],
+            )
+            return 0
+
     def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
         """``rows`` took a slot of their key and did not reach the broker (refused,
         dead-lettered, put back): their unstarted slots free, and for each one

@@ -148,6 +148,21 @@ class InMemoryFlows:
                 return 0
             return self._wake(flow.name, key, 1, self.clock())
 
+    def task_requeued(self, flow: Flow, key: str, task_id: str) -> int:
+        """The run's slot queued again (taken again if gone); nothing woken."""
+        with self._lock:
+            now = self.clock()
+            slots = self.slots.setdefault(flow.name, [])
+            mine = sorted(
+                (s for s in slots if s.task_id == task_id), key=lambda s: not s.started
+            )
+            if not mine:
+                slots.append(_Slot(task_id, key, False, now + flow.lease))
+                return 0
+            mine[0].started = False
+            mine[0].expires_at = now + flow.lease
+            return 0
+
     def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
         """Their unstarted slots free; a parked row of the key woken per slot."""
         mine = {c.task_id for c in rows if c.key is not None}

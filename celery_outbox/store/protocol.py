@@ -337,6 +337,11 @@ class FlowStore(Protocol):
         """A task of ``key`` ended: its slot frees, a parked row of the key is woken."""
         ...
 
+    def task_requeued(self, flow: Flow, key: str, task_id: str) -> int:
+        """A run of ``key`` ended and put its task back in the broker: its slot is
+        queued again (taken again if gone), nothing woken."""
+        ...
+
     def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
         """``rows`` of ``flow`` took a slot and did not reach the broker: their
         unstarted slots free, a parked row of the key woken for each; how many."""

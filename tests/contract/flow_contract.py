@@ -347,6 +347,36 @@ class FlowContract:
         stats = flows.flows.flow_stats([partner])[0]
         assert (stats.running, stats.queued) == (1, 1)  # the retry, not started
 
+    def test_a_requeued_task_keeps_its_slot_queued_until_its_next_run_ends(
+        self, flows: FlowHarness
+    ) -> None:
+        # Reject(requeue=True): the task is back in the broker and runs again. Its
+        # slot freed, a2 would run beside it: two under running 1.
+        partner = keyed_flow(running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a")])
+        self.decide(flows, partner)
+        flows.flows.task_started(partner, "a", self.ids["a1"])
+        assert flows.flows.task_requeued(partner, "a", self.ids["a1"]) == 0
+        assert tags(flows.claim(50)[1]) == []  # a2 still waits
+        stats = flows.flows.flow_stats([partner])[0]
+        assert (stats.running, stats.queued) == (1, 1)  # published, not started
+        assert flows.flows.task_started(partner, "a", self.ids["a1"]) == 0
+        stats = flows.flows.flow_stats([partner])[0]
+        assert (stats.running, stats.queued) == (1, 0)
+        assert flows.flows.task_ended(partner, "a", self.ids["a1"]) == 1
+        assert tags(flows.claim(50)[1]) == ["a2"]
+
+    def test_a_requeued_task_whose_lease_passed_counts_again(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(running=1, lease=0.2)
+        flows.enqueue([of_key("a1", "a")])
+        self.decide(flows, partner)
+        flows.wait(0.5)
+        flows.flows.task_requeued(partner, "a", self.ids["a1"])
+        stats = flows.flows.flow_stats([partner])[0]
+        assert (stats.running, stats.queued) == (1, 1)
+
     def test_an_operator_raises_a_limit_and_the_waiting_rows_come_back(
         self, flows: FlowHarness
     ) -> None:

@@ -12,6 +12,10 @@
 * ``lease``: a worker killed mid-task never reports its end; its slot frees when
   the lease (counted from the start it reported) is over, and the key's next task
   runs then, not before and not a lease later.
+* A task that expires in RabbitMQ's queue, and one that puts its message back
+  (``Reject(requeue=True)``): the first frees its slot when a worker discards
+  it, not at the lease; the second keeps it until its next run ends, so that the
+  key's next task never runs beside it.
 * A relay killed with ``kill -9`` while it holds a batch of a rate's flow: no
   second holds more starts than the rate and one batch, and nothing is lost.
 
@@ -40,7 +44,7 @@ from django.utils import timezone
 from celery_outbox.models import FlowSlot, OutboxMessage
 from tests.e2e.conftest import BROKER_AMQP, Proc, Stack, alias_for, wait_until
 from tests.project.shop.models import TaskRun
-from tests.project.shop.tasks import add, hold, record, record_late
+from tests.project.shop.tasks import add, hold, record, record_late, requeue_once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -385,6 +389,90 @@ def test_a_killed_workers_slot_frees_after_the_lease_and_the_keys_next_task_runs
     assert marks(alias, "start", first) == {first: [started_first]}  # not run again
     assert not marks(alias, "end", first)
     assert marks(alias, "start", second) == {second: [started_second]}
+    stack.assert_alive()
+
+
+# -- endings in the broker: an expiry, a requeue -----------------------------------
+
+#: The lease of the endings' tests: long enough that a slot freed by it shows.
+ENDINGS_LEASE = 30.0
+#: Seconds after its call the expiring task expires.
+EXPIRES = 3.0
+
+
+@on("postgresql")
+def test_a_task_that_expires_in_the_queue_frees_its_slot_before_the_lease(
+    e2e: E2EFactory, settings: Any
+) -> None:
+    # With its broker TTL, RabbitMQ dropped the task unseen, and the key's next
+    # task waited the whole lease. Without it, a worker discards the task (its
+    # expires header) and reports it.
+    flows = flow(running=1, lease=ENDINGS_LEASE)
+    settings.CELERY_OUTBOX_FLOWS = flows
+    stack = e2e("postgresql", BROKER_AMQP)
+    stack.env.update(OUTBOX_TEST_FLOWS=json.dumps(flows))
+    stack.start_relay()  # no worker yet: the task expires in the queue
+    alias, prefix = stack.alias, uuid.uuid4().hex[:8]
+    expired, following, key = f"{prefix}:expired", f"{prefix}:next", f"t-{prefix}"
+    with transaction.atomic(using=alias):
+        hold.apply_async((expired,), flow_key=key, expires=EXPIRES)
+        send(hold, following, key=key)
+    called = time.monotonic()
+    slot = FlowSlot.objects.using(alias).filter(flow=FLOW, flow_key=key)
+    wait_until(slot.exists, 15, "the expiring task to be published")
+    frees_at = slot.get().expires_at  # by the lease
+    time.sleep(max(0.0, called + EXPIRES + 1.0 - time.monotonic()))
+    stack.start_worker(concurrency=2)
+    wait_until(
+        lambda: bool(marks(alias, "start", following)),
+        ENDINGS_LEASE + 15,
+        "the key's next task to start",
+    )
+    started_next = marks(alias, "start", following)[following][0]
+    early = (frees_at - started_next).total_seconds()
+    print(f"the key's next task started {early:.1f} s before the lease would free it")
+    assert early > 5.0, early
+    assert not marks(alias, "start", expired)  # it expired: never ran
+    stack.assert_alive()
+
+
+@on("postgresql")
+def test_a_task_that_requeues_its_message_holds_its_slot_until_its_next_run_ends(
+    e2e: E2EFactory, settings: Any
+) -> None:
+    # Its slot freed at the Reject, the key's next task was published and ran
+    # beside the task's second run: two under running 1.
+    flows = {FLOW: {"tasks": ["shop.hold", "shop.requeue_once"], "running": 1}}
+    stack = started(e2e("postgresql", BROKER_AMQP), settings, flows, 2)
+    alias, prefix = stack.alias, uuid.uuid4().hex[:8]
+    key = f"t-{prefix}"
+    with transaction.atomic(using=alias):
+        requeue_once.apply_async((f"{prefix}:requeued", 2.0), flow_key=key)
+        # Tasks of no flow that keep both threads busy until 3 s: the requeued
+        # message, and the key's next task were it published, start together then.
+        record_late.delay(f"busy:{prefix}:0", 3.0)
+        record_late.delay(f"busy:{prefix}:1", 1.0)
+        send(hold, f"{prefix}:next", 1.0, key=key)
+    wait_until(
+        lambda: len(marks(alias, "end", prefix)) >= 3,
+        30,
+        "both runs and the next task",
+        lambda: f"{marks(alias, 'end', prefix)}",
+    )
+    runs = intervals(alias, prefix)
+    assert sorted(runs) == [
+        f"{prefix}:next",
+        f"{prefix}:requeued/0",
+        f"{prefix}:requeued/1",
+    ]
+    most = most_at_once(runs.values())
+    print(f"a requeued task and its key's next: most at once {most}")
+    assert most == 1, runs
+    wait_until(
+        lambda: not FlowSlot.objects.using(alias).filter(flow=FLOW).exists(),
+        10,
+        "every slot to be freed",
+    )
     stack.assert_alive()
 
 

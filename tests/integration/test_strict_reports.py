@@ -29,9 +29,11 @@ from celery.worker.request import Request
 from django.db import connections, transaction
 from kombu.message import Message
 
+from celery_outbox.conf import get_settings
 from celery_outbox.engine.reports import wait_for_reports
 from celery_outbox.envelope import StoredMessage
-from celery_outbox.models import DeadLetter, OutboxMessage
+from celery_outbox.flow.gate import FlowGate
+from celery_outbox.models import DeadLetter, FlowSlot, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
 from celery_outbox.ordering.options import Ordering
 from celery_outbox.outcomes import Settlement
@@ -354,3 +356,65 @@ def test_a_head_the_worker_does_not_know_blocks_its_key(on_alias: str) -> None:
     (blocked,) = stores.ordering().ordering_stats().blocked
     assert blocked.id == head.id
     assert "never registered" in blocked.last_error
+
+
+# -- a flow key's task that puts its message back ----------------------------------
+
+
+@shared_task(name="tests.flow.rejects_late", acks_late=True)
+def rejects_late(requeue: bool) -> None:
+    """``rejects``, acknowledged late: a requeue puts its message back."""
+    raise Reject("refused", requeue=requeue)
+
+
+def flow_slots_after_a_reject(alias: str, task: Any) -> list[tuple[str, bool]]:
+    """A flow key's ``task(True)`` published (a slot of key "a" taken under
+    ``running: 1``, a second task of the key parked) and run; the key's slots
+    then, and whether the parked task was woken."""
+    with transaction.atomic(using=alias):
+        task.apply_async((True,), flow_key="a")
+        record.apply_async(("next",), flow_key="a")
+    stores = Stores(alias)
+    store = stores.relay()
+    claim = store.claim(10, 30)
+    gate = FlowGate(get_settings().flows, stores.flows())
+    (published,) = gate.admit(claim.messages, claim.token).admitted
+    store.settle(claim.token, Settlement(delete=(published.id,)))
+    assert run_on_worker(published, task) == "REJECTED"
+    slots = FlowSlot.objects.using(alias).filter(flow="partner", flow_key="a")
+    return [
+        (published.envelope.task_id == task_id, started)
+        for task_id, started in slots.values_list("task_id", "started")
+    ]
+
+
+FLOWS = {
+    "partner": {
+        "tasks": [rejects.name, rejects_late.name, record.name],
+        "running": 1,
+    }
+}
+
+
+def test_a_flow_keys_task_that_requeues_its_message_keeps_its_slot_queued(
+    on_alias: str, settings: Any
+) -> None:
+    # Reject(requeue=True) of an acks_late task: it runs again. Its slot freed,
+    # the key's next task would be published and run beside it: two under
+    # running 1.
+    settings.CELERY_OUTBOX_FLOWS = FLOWS
+    slots = flow_slots_after_a_reject(on_alias, rejects_late)
+    assert slots == [(True, False)]  # its own, back in the queue, not started
+    store = Stores(on_alias).relay()
+    assert store.claim(10, 30).messages == ()  # "next" still waits its turn
+
+
+def test_a_flow_keys_task_whose_requeue_puts_nothing_back_frees_its_slot(
+    on_alias: str, settings: Any
+) -> None:
+    # Acknowledged as its run began: Celery's reject does nothing, the task
+    # never runs again, and its slot would wait for the lease.
+    settings.CELERY_OUTBOX_FLOWS = FLOWS
+    assert flow_slots_after_a_reject(on_alias, rejects) == []
+    (woken,) = Stores(on_alias).relay().claim(10, 30).messages
+    assert woken.envelope.task_name == record.name

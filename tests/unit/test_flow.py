@@ -253,6 +253,48 @@ def test_a_row_that_takes_a_slot_goes_out_naming_the_flow_of_the_slot() -> None:
     assert FLOW_HEADER not in sent["free"]
 
 
+def test_a_row_that_takes_a_slot_goes_out_with_no_ttl_the_broker_would_drop_it_by() -> (
+    None
+):
+    # RabbitMQ drops a message whose TTL passed without telling anyone: its slot
+    # would wait for the lease. Its ``expires`` header still expires it on the
+    # worker, which reports it (task_revoked, expired).
+    tables = Tables(FakeClock())
+    outbox = InMemoryStore(tables=tables)
+    keyed_partner = {"tasks": ["shop.call_partner"], "running": 1}
+    flows = load_settings(flows_setting({"partner": keyed_partner})).flows
+    task = {"task": "shop.call_partner", "expires": "2026-01-02T03:04:05+00:00"}
+    ttl = {"delivery_mode": 2, "expiration": "1000"}
+    outbox.add(
+        [
+            envelope(
+                "keyed",
+                task_name=task["task"],
+                headers=task | {KEY_HEADER: "a", FLOW_HEADER: "partner"},
+                properties=ttl,
+            ),
+            envelope("unkeyed", task_name=task["task"], headers=task, properties=ttl),
+            envelope(
+                "bare",
+                task_name=task["task"],
+                headers={"task": task["task"], KEY_HEADER: "b"},
+                properties=ttl,
+            ),
+        ]
+    )
+    claim = outbox.claim(50, 30.0)
+    gate = FlowGate(flows, InMemoryFlows(tables=tables))
+    admitted = gate.admit(claim.messages, claim.token).admitted
+    sent = {m.envelope.task_id.split("-")[0]: m.envelope for m in admitted}
+    assert sent["keyed"].properties == {"delivery_mode": 2}
+    assert sent["keyed"].headers["expires"] == task["expires"]
+    # No slot, nothing to free: the broker's TTL stays.
+    assert sent["unkeyed"].expiration == "1000"
+    # A TTL with no expires header (a raw ``expiration=``): no worker would
+    # expire it, the TTL is all there is.
+    assert sent["bare"].expiration == "1000"
+
+
 # -- the store's contract, on the twin -------------------------------------------
 
 

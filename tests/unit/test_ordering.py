@@ -97,6 +97,7 @@ def test_every_ending_has_one_report() -> None:
         Ending.REFUSED: Report.FAILED,
         Ending.RETRIED: Report.HELD,
         Ending.REQUEUED: Report.HELD,
+        Ending.NOT_REQUEUED: Report.HELD,
         Ending.REPLACED: Report.HELD,
         Ending.LOST: Report.AGAIN,
     }
@@ -119,6 +120,14 @@ def test_task_postrun_tells_the_ending_by_its_state_and_value(
     state: str | None, retval: Any, ending: Ending | None
 ) -> None:
     assert ending_after_run(state, retval) is ending
+
+
+def test_a_requeue_of_a_message_acknowledged_as_its_run_began_is_no_requeue() -> None:
+    # No acks_late: Celery acknowledged the message before the body ran, and its
+    # reject of it does nothing. The task never runs again by Celery's hand.
+    requeue = Reject("later", requeue=True)
+    assert ending_after_run("REJECTED", requeue, acks_late=False) is Ending.NOT_REQUEUED
+    assert ending_after_run("REJECTED", requeue, acks_late=True) is Ending.REQUEUED
 
 
 class Late:

@@ -51,6 +51,20 @@ def hold(self: Any, tag: str, seconds: float = 0.0, retries: int = 0) -> str:
     return tag
 
 
+@shared_task(bind=True, name="shop.requeue_once", acks_late=True)
+def requeue_once(self: Any, tag: str, seconds: float = 0.0) -> str:
+    """A run's interval as ``shop.hold`` records it (``start:<tag>/<run>``,
+    ``end:<tag>/<run>``); the first run then puts its message back in the queue
+    (``Reject(requeue=True)``), and the second returns."""
+    run = TaskRun.objects.filter(tag__startswith=f"start:{tag}/").count()
+    _record(self, f"start:{tag}/{run}", os.getpid())
+    time.sleep(seconds)
+    _record(self, f"end:{tag}/{run}")
+    if run == 0:
+        raise Reject(f"{tag} requeued", requeue=True)
+    return tag
+
+
 @shared_task(bind=True, name="shop.collect")
 def collect(self: Any, results: list[Any], tag: str) -> int:
     _record(self, tag, sorted(results))
