@@ -25,8 +25,9 @@ class ExitStatus(enum.IntEnum):
     #: row can hold): nothing was done.
     USAGE = 2
     #: A run ``--until-empty`` stopped with work left that only a limit holds back
-    #: (a flow's rate, a flow key at its limit, an ordered key's head): nothing it
-    #: could send is left, and the outbox is not empty.
+    #: (a flow's rate, a flow key at its limit, an ordered key's head, a paused
+    #: handler shard or category): nothing it could send is left, and the outbox
+    #: is not empty.
     HELD = 3
 
 

@@ -72,8 +72,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, hidden: bool = False) 
         "--until-empty",
         action="store_true",
         help=shown(
-            "Exit once no shard is due (0), or 1 at the first pass a database did "
-            "not answer."
+            "Exit once no shard is due: 0 when no message is left, 1 when some wait "
+            "unrun (a failing receiver's shard backing off) or a database did not "
+            "answer, 3 when only a pause holds them."
         ),
     )
     parser.add_argument(

@@ -3,7 +3,9 @@
 * :func:`coalesce`: which rows of a shard run, and which a newer row supersedes;
 * :func:`after_failure`: retry the head later (the engine's
   :func:`~celery_outbox.engine.backoff.backoff`), or move it to the dead letters,
-  in the one decision vocabulary (:class:`celery_outbox.outcomes.Decision`).
+  in the one decision vocabulary (:class:`celery_outbox.outcomes.Decision`);
+* :func:`left_of`: what a run ``until_empty`` leaves, in words, from what the
+  databases hold when it ends.
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.backoff import backoff
+from ..engine.loop import Left
 from ..exceptions import OutboxValueError
 from ..outcomes import Action, Decision
-from ..store.handlers.types import KEY_LENGTH, Row
+from ..store.handlers.types import KEY_LENGTH, HandlerLeftover, Row
 
-__all__ = ["KEY_LENGTH", "Plan", "Row", "after_failure", "coalesce", "shard_key"]
+__all__ = [
+    "KEY_LENGTH",
+    "Plan",
+    "Row",
+    "after_failure",
+    "coalesce",
+    "left_of",
+    "shard_key",
+]
 
 
 @dataclass(frozen=True)
@@ -103,3 +114,44 @@ def shard_key(shard: str | Iterable[Any]) -> str:
             "written."
         )
     return key
+
+
+def left_of(found: Sequence[HandlerLeftover], failures: Sequence[str] = ()) -> Left:
+    """What a processor run ``until_empty`` leaves, from what each database holds.
+
+    Messages of failing shards backing off, and due ones no processor took, are work
+    it could have done: unfinished, as a database that did not answer (``failures``).
+    Messages only a pause holds are counted apart: nothing it could run is left, and
+    the outbox is not empty.
+    """
+    unfinished = list(failures)
+    held = []
+    for f in found:
+        parts = []
+        if f.failing:
+            last = (f.failing_error.strip().splitlines() or [""])[-1][:200]
+            parts.append(
+                f"{f.failing} in {f.failing_shards} shard(s) backing off after their "
+                f"receiver failed (failing longest: shard {f.failing_shard!r}: "
+                f"{last or 'no error recorded'})"
+            )
+        if f.waiting:
+            parts.append(f"{f.waiting} due and not claimed yet")
+        if parts:
+            total = f.failing + f.waiting
+            unfinished.append(
+                f"{total} message(s) on {f.database} not run: " + "; ".join(parts)
+            )
+        if f.held:
+            pauses = [f"shard {s!r}" for s in f.held_by_shards] + [
+                f"category {c!r}" for c in f.held_by_categories
+            ]
+            held.append(
+                f"{f.held} message(s) on {f.database} held by a pause "
+                f"({', '.join(pauses) or 'lifted since'}; 'outbox handlers resume' "
+                f"lifts it)"
+            )
+    return Left(
+        unfinished="; ".join(unfinished) if unfinished else None,
+        held="; ".join(held) if held else None,
+    )

@@ -41,7 +41,7 @@ from ..store.handlers import (
 )
 from ..store.handlers.sql import HandlerMembers, HandlerStore
 from ..text import unrecorded
-from .core import Plan, Row, after_failure, coalesce
+from .core import Plan, Row, after_failure, coalesce, left_of
 from .models import HandlerMessage
 from .observations import (
     HandlerObserver,
@@ -198,11 +198,24 @@ class Processor:
         """Nothing is left to settle: every message settles in its own turn."""
 
     def left(self) -> Left:
-        """Why the last pass failed (a database that did not answer), if it did.
+        """What the databases hold when a run ends (:func:`.core.left_of`), and why
+        the last pass failed, if it did.
 
-        A failed message waiting for its retry in its shard is not counted.
+        Read from the state, whichever run left it: a shard backing off after an
+        earlier run's failure is as unfinished as one this run backed off. A
+        database that does not answer is unfinished too.
         """
-        return Left(unfinished=self._failure)
+        found = []
+        failures = [self._failure] if self._failure else []
+        for alias in self.config.databases:
+            store = self._by_alias[alias]
+            try:
+                found.append(store.leftover())
+            except OutboxDatabaseError as exc:
+                failures.append(f"what is left on {alias} could not be read: {exc}")
+                logger.error("reading what is left on %r failed: %s", alias, exc)
+                store.reset_connection()
+        return left_of(found, failures)
 
     def run_once(self) -> int:
         """One pass over every database; returns how many shards were claimed."""

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import pytest
 
-from celery_outbox.store.handlers import HandlerLeases, LeaseLost
+from celery_outbox.store.handlers import HandlerLeases, HandlerLeftover, LeaseLost
 
-Stores = Callable[[str | None], HandlerLeases]
+
+class PausingStore(HandlerLeases, Protocol):
+    """A handler store that an operator can also pause (the kill switches)."""
+
+    def pause(self, kind: str, value: str, reason: str = "") -> bool: ...
+
+
+Stores = Callable[[str | None], PausingStore]
 #: Long enough that no lease ends by itself during a test.
 LONG = 60.0
 
@@ -147,3 +155,63 @@ class HandlerStoreContract:
         store.requeue(lease)
         again = store.claim("u" * 32, LONG)
         assert again is not None and again.attempts == 0
+
+    # -- what a run --until-empty leaves (#45) ------------------------------------
+
+    def test_nothing_is_left_where_no_message_waits(self, stores: Stores) -> None:
+        store = stores(None)
+        assert store.leftover() == HandlerLeftover(store.using)
+
+    def test_a_failing_shard_backing_off_is_left_with_its_last_error(
+        self, stores: Stores
+    ) -> None:
+        store = stores(None)
+        write(store, "a", "1", "2")
+        lease = store.claim("t" * 32, LONG)
+        assert lease is not None
+        store.retry_later(lease, store.read(lease, 10)[0], 1, LONG, "T\nKeyError: 1")
+        assert store.leftover() == HandlerLeftover(
+            store.using,
+            failing=2,
+            failing_shards=1,
+            failing_shard="a",
+            failing_error="T\nKeyError: 1",
+        )
+
+    def test_messages_only_a_pause_holds_are_held_naming_the_pauses(
+        self, stores: Stores
+    ) -> None:
+        store = stores(None)
+        write(store, "a", "1")
+        write(store, "b", "1", "2", category="x")
+        store.pause("shard", "a")
+        store.pause("category", "x")
+        store.pause("shard", "elsewhere")  # holds nothing: not named
+        lease = store.claim("t" * 32, LONG)
+        assert lease is not None and lease.shard == "b"
+        store.hold(lease, "x", LONG)
+        assert store.leftover() == HandlerLeftover(
+            store.using, held=3, held_by_shards=("a",), held_by_categories=("x",)
+        )
+
+    def test_a_failing_shard_stays_failing_when_it_is_paused(
+        self, stores: Stores
+    ) -> None:
+        store = stores(None)
+        write(store, "a", "1")
+        lease = store.claim("t" * 32, LONG)
+        assert lease is not None
+        store.retry_later(lease, store.read(lease, 10)[0], 1, LONG, "boom")
+        store.pause("shard", "a")
+        found = store.leftover()
+        assert (found.failing, found.held, found.held_by_shards) == (1, 0, ())
+
+    def test_a_held_shard_is_not_left_and_a_due_one_is_waiting(
+        self, stores: Stores
+    ) -> None:
+        store, other = stores(None), stores("o" * 32)
+        write(store, "a", "1", "2")
+        assert other.claim("t" * 32, LONG) is not None  # another processor runs it
+        assert store.leftover() == HandlerLeftover(store.using)
+        write(store, "b", "1")  # written after the last look
+        assert store.leftover() == HandlerLeftover(store.using, waiting=1)

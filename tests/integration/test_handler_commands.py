@@ -2,13 +2,16 @@
 
 Missing tables name the migration (not the connection), ids that match no dead
 letter exit 1 as ``outbox tasks replay`` does, a ``--name`` that names no category is
-refused instead of "paused", and ``replay --dry-run`` only says what it would do.
+refused instead of "paused", ``replay --dry-run`` only says what it would do, and
+``run --until-empty`` exits 0 only when no message it could run is left (#45).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -21,7 +24,7 @@ from celery_outbox.handlers.models import (
     HandlerMessage,
     HandlerPause,
 )
-from celery_outbox.handlers.registry import Registry
+from celery_outbox.handlers.registry import Category, Registry, registry
 
 from .test_command_errors import manage
 from .test_handler_operations import dead_letter
@@ -173,3 +176,83 @@ def test_a_key_no_table_holds_is_refused_at_the_command(
     assert message.startswith(f"handlers {command[0]}: {flag} ")
     assert ("NUL" in message) or ("lone surrogate" in message)
     assert "Check that" not in message
+
+
+# -- run --until-empty: the exit status from what is left (#45) ------------------
+
+
+@pytest.fixture
+def receiver(name: str) -> Iterator[list[Any]]:
+    """A receiver of ``name`` in this process that raises on a payload "fail";
+    yields the payloads it ran."""
+    ran: list[Any] = []
+
+    def run(*, payload: Any, **_: Any) -> None:
+        if payload == "fail":
+            raise RuntimeError("search cluster down")
+        ran.append(payload)
+
+    registry.add(Category(name, run))
+    try:
+        yield ran
+    finally:
+        registry.remove(name)
+
+
+def run_until_empty(alias: str) -> CommandError | None:
+    """``outbox handlers run --until-empty`` on ``alias``; the error it ended with."""
+    try:
+        call_command("outbox", "handlers", "run", "--until-empty", "--database", alias)
+    except CommandError as exc:
+        return exc
+    return None
+
+
+@in_databases
+def test_run_until_empty_exits_0_once_every_message_ran(
+    alias: str, name: str, receiver: list[Any]
+) -> None:
+    with transaction.atomic(using=alias):
+        emit(name, shard="org:1", object_id=1, payload="x", using=alias)
+
+    assert run_until_empty(alias) is None
+    assert receiver == ["x"]
+
+
+@in_databases
+def test_run_until_empty_exits_1_naming_a_failing_shard_backing_off(
+    alias: str, name: str, receiver: list[Any], settings: Any
+) -> None:
+    settings.CELERY_OUTBOX_HANDLER_RETRY_BASE_SECONDS = 600
+    with transaction.atomic(using=alias):
+        emit(name, shard="org:1", object_id=1, payload="fail", using=alias)
+        emit(name, shard="org:1", object_id=2, payload="behind", using=alias)
+
+    # The run that failed, and a later one that finds the shard backing off.
+    for _ in range(2):
+        failed = run_until_empty(alias)
+        assert failed is not None and failed.returncode == 1
+        assert str(failed) == (
+            f"handler processor stopped: unfinished: 2 message(s) on {alias} not "
+            f"run: 2 in 1 shard(s) backing off after their receiver failed (failing "
+            f"longest: shard 'org:1': RuntimeError: search cluster down)"
+        )
+    assert receiver == []
+
+
+@in_databases
+def test_run_until_empty_exits_3_naming_the_pause_that_holds_messages(
+    alias: str, name: str, receiver: list[Any]
+) -> None:
+    with transaction.atomic(using=alias):
+        emit(name, shard="org:1", object_id=1, payload="x", using=alias)
+    call_command("outbox", "handlers", "pause", "--key", "org:1", "--database", alias)
+
+    held = run_until_empty(alias)
+
+    assert held is not None and held.returncode == 3
+    assert str(held) == (
+        f"handler processor stopped: held: 1 message(s) on {alias} held by a pause "
+        f"(shard 'org:1'; 'outbox handlers resume' lifts it)"
+    )
+    assert receiver == []

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
 
@@ -518,7 +518,11 @@ def test_the_commands_run_pause_resume_and_report(
         call_command("outbox", "handlers", "pause", "--name", name, "--database", alias)
         with transaction.atomic(using=alias):
             emit(name, shard="a", object_id=1, payload="x", using=alias)
-        call_command("outbox", "handlers", "run", "--until-empty", "--database", alias)
+        with pytest.raises(CommandError) as held:  # only a pause holds it (#45)
+            call_command(
+                "outbox", "handlers", "run", "--until-empty", "--database", alias
+            )
+        assert held.value.returncode == 3
         assert calls.items == []
         call_command("outbox", "handlers", "stats", "--database", alias, "--top", "3")
         out = capsys.readouterr().out

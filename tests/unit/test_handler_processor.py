@@ -296,3 +296,81 @@ def test_a_payload_that_is_not_json_fails_like_its_receiver_and_stops_nothing() 
     assert ran == ["after"]
     (dead,) = tables.dead
     assert dead.payload == "{edited by hand" and "JSONDecodeError" in dead.last_error
+
+
+# -- what a run until empty leaves (#45) ---------------------------------------
+
+
+def failing(tables: HandlerTables) -> Registry:
+    """A category whose receiver always raises, with one message in shard "s"."""
+    categories = Registry()
+
+    def receiver(**_: Any) -> None:
+        raise KeyError("no such org")
+
+    categories.add(Category("c", receiver))
+    emit(tables, "c", "s", 1, "x")
+    emit(tables, "c", "s", 2, "y")
+    return categories
+
+
+def test_a_run_that_leaves_a_failing_shard_backing_off_is_unfinished() -> None:
+    tables = HandlerTables()
+    categories = failing(tables)
+
+    first = processor(tables, categories, retry_base_seconds=60.0)
+    assert first.run() is StopReason.UNFINISHED
+    # A later run runs nothing (the shard backs off) and is unfinished all the same.
+    again = processor(tables, categories, retry_base_seconds=60.0)
+    assert again.run() is StopReason.UNFINISHED
+
+    assert again.loop.left.unfinished == (
+        "2 message(s) on memory not run: 2 in 1 shard(s) backing off after their "
+        "receiver failed (failing longest: shard 's': KeyError: 'no such org')"
+    )
+    assert again.loop.left.held is None
+
+
+def test_a_run_that_leaves_only_paused_messages_is_held_naming_the_pauses() -> None:
+    tables = HandlerTables()
+    categories = Registry()
+    categories.add(Category("c", lambda **_: None))
+    categories.add(Category("off", lambda **_: None))
+    emit(tables, "c", "s", 1, "x")
+    emit(tables, "off", "t", 1, "y")
+    store = MemoryHandlerStore(tables)
+    store.pause("shard", "s")
+    store.pause("category", "off")
+
+    run = processor(tables, categories)
+    assert run.run() is StopReason.HELD
+
+    assert run.loop.left.unfinished is None
+    assert run.loop.left.held == (
+        "2 message(s) on memory held by a pause (shard 's', category 'off'; "
+        "'outbox handlers resume' lifts it)"
+    )
+
+
+class Unreadable(MemoryHandlerStore):
+    """A database that answers the passes, then not when asked what is left."""
+
+    def leftover(self) -> Any:
+        raise OutboxDatabaseError("handler database 'memory': gone")
+
+
+def test_what_is_left_unread_is_unfinished() -> None:
+    tables = HandlerTables()
+    run = Processor(
+        ProcessorConfig(
+            databases=("memory",), until_empty=True, heartbeat_interval=None
+        ),
+        Registry(),
+        stores=lambda alias, holder: Unreadable(tables, holder=holder),
+    )
+
+    assert run.run() is StopReason.UNFINISHED
+
+    assert run.loop.left.unfinished == (
+        "what is left on memory could not be read: handler database 'memory': gone"
+    )

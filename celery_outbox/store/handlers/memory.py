@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from ...text import storable
-from .types import ERROR_LIMIT, Lease, LeaseLost, Pauses, Row
+from .types import ERROR_LIMIT, HandlerLeftover, Lease, LeaseLost, Pauses, Row
 
 
 @dataclass
@@ -310,6 +310,43 @@ class MemoryHandlerStore:
             return Pauses(
                 frozenset(self.tables.paused_categories),
                 frozenset(self.tables.paused_shards),
+            )
+
+    def leftover(self) -> HandlerLeftover:
+        """The messages no processor holds, by what they wait for."""
+        with self._lock:
+            t, now = self.tables, self.clock()
+            unheld = [s for s in t.shards.values() if self._free(s, now)]
+            failing = sorted(
+                (s for s in unheld if s.attempts > 0),
+                key=lambda s: (s.failing_since or 0.0, s.pk),
+            )
+            healthy = [s for s in unheld if s.attempts == 0]
+            held = [
+                s
+                for s in healthy
+                if s.shard in t.paused_shards or s.held_by in t.paused_categories
+            ]
+            waiting = [s for s in healthy if s not in held]
+
+            def count(shards: list[_Shard]) -> int:
+                keys = {s.shard for s in shards}
+                return sum(1 for m in t.messages.values() if m.shard in keys)
+
+            return HandlerLeftover(
+                database=self.using,
+                failing=count(failing),
+                failing_shards=len([s for s in failing if self._in(s.shard)]),
+                failing_shard=failing[0].shard if failing else "",
+                failing_error=failing[0].last_error if failing else "",
+                waiting=count(waiting),
+                held=count(held),
+                held_by_shards=tuple(
+                    sorted({s.shard for s in healthy} & t.paused_shards)
+                ),
+                held_by_categories=tuple(
+                    sorted({s.held_by for s in healthy} & t.paused_categories)
+                ),
             )
 
     def pause(self, kind: str, value: str, reason: str = "") -> bool:

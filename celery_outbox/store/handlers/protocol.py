@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from .types import Lease, Pauses, Row
+from .types import HandlerLeftover, Lease, Pauses, Row
 
 
 class HandlerLeases(Protocol):
@@ -94,6 +94,10 @@ class HandlerLeases(Protocol):
 
     def pauses(self) -> Pauses:
         """The categories and shards paused."""
+        ...
+
+    def leftover(self) -> HandlerLeftover:
+        """The messages no processor holds, by what they wait for (a run's end)."""
         ...
 
     def beat(self, relay_id: str, name: str) -> None:

@@ -57,6 +57,7 @@ from .protocol import HandlerLeases
 from .types import (
     ERROR_LIMIT,
     BlockedShard,
+    HandlerLeftover,
     HandlerStats,
     Lease,
     LeaseLost,
@@ -596,6 +597,59 @@ class HandlerStore:
             .count(),
             leased=shards.exclude(_free()).count(),
             blocked_shards=self._blocked(now, top),
+        )
+
+    @translated
+    def leftover(self) -> HandlerLeftover:
+        """The messages no processor holds, by what they wait for; three reads.
+
+        One count of the messages by their shard's state, the shard failing
+        longest, and the pauses that hold a shard.
+        """
+        pauses = HandlerPause.objects.using(self.using)
+        paused = Q(
+            shard__in=pauses.filter(kind=HandlerPause.Kind.SHARD).values("value")
+        ) | Q(
+            held_by__in=pauses.filter(kind=HandlerPause.Kind.CATEGORY).values("value")
+        )
+        unheld = self._shards().filter(_free())
+        healthy = unheld.filter(attempts=0)
+
+        def of(shards: QuerySet[HandlerShard]) -> Exists:
+            return Exists(shards.filter(shard=OuterRef("shard")))
+
+        failing = of(unheld.filter(attempts__gt=0))
+        counts = self._messages().aggregate(
+            failing=Count("id", filter=failing),
+            failing_shards=Count("shard", distinct=True, filter=failing),
+            waiting=Count("id", filter=of(healthy.exclude(paused))),
+            held=Count("id", filter=of(healthy.filter(paused))),
+        )
+        first = (
+            unheld.filter(attempts__gt=0)
+            .order_by("failing_since", "id")
+            .values_list("shard", "last_error")
+            .first()
+        )
+        holding = pauses.annotate(
+            by_shard=Exists(healthy.filter(shard=OuterRef("value"))),
+            by_category=Exists(healthy.filter(held_by=OuterRef("value"))),
+        ).order_by("value")
+        rows = list(holding.values_list("kind", "value", "by_shard", "by_category"))
+        return HandlerLeftover(
+            database=self.using,
+            failing=counts["failing"],
+            failing_shards=counts["failing_shards"],
+            failing_shard=first[0] if first else "",
+            failing_error=first[1] if first else "",
+            waiting=counts["waiting"],
+            held=counts["held"],
+            held_by_shards=tuple(
+                v for k, v, s, _ in rows if k == HandlerPause.Kind.SHARD and s
+            ),
+            held_by_categories=tuple(
+                v for k, v, _, c in rows if k == HandlerPause.Kind.CATEGORY and c
+            ),
         )
 
     def _blocked(self, now: datetime, top: int) -> tuple[BlockedShard, ...]:

@@ -126,3 +126,31 @@ class HandlerStats:
     leased: int = 0
     #: The shards that have failed longest (at most ``top``).
     blocked_shards: tuple[BlockedShard, ...] = ()
+
+
+@dataclass(frozen=True)
+class HandlerLeftover:
+    """The messages waiting on one database that no processor holds, by what they
+    wait for; read when a run ``--until-empty`` ends.
+
+    A shard leased to a processor is not counted: that processor is running it (a
+    dead one's lease ends within three of its missed beats, or at the lease's end).
+    """
+
+    database: str
+    #: Messages in shards whose head failed and waits for its retry (backing off),
+    #: paused or not: lifting a pause does not make a failing receiver succeed.
+    failing: int = 0
+    failing_shards: int = 0
+    #: The shard failing longest, and its last error (as ``handlers stats`` lists it).
+    failing_shard: str = ""
+    failing_error: str = ""
+    #: Messages in shards due and not failing that no pause holds: written after
+    #: the last look, or stopped by a pause lifted since.
+    waiting: int = 0
+    #: Messages only a pause holds: their shard is paused, or stopped at a head whose
+    #: category is paused.
+    held: int = 0
+    #: The pauses holding them.
+    held_by_shards: tuple[str, ...] = ()
+    held_by_categories: tuple[str, ...] = ()
