@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from django.db import connections
@@ -14,6 +15,7 @@ from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
 from ..engine.heartbeat import Heartbeat, new_relay_id
 from ..engine.waiter import Waiter
+from ..exceptions import OutboxDatabaseError
 from ..flow.gate import gate_for, reconcile
 from ..metrics import RelayMetrics, configured_sinks
 from ..signals import send_relay_signals
@@ -25,6 +27,8 @@ from .loop import Relay
 from .observations import Observer, TracingHook, log_observation
 from .probe import broker_location, probe_broker, probe_database
 from .sent import sent_event_observers
+
+logger = logging.getLogger("celery_outbox.relay")
 
 
 def build_relay(
@@ -69,8 +73,17 @@ def build_relay(
         publisher.close()
         raise database.failure
     # What a flow parked or held under settings that changed is released now, not
-    # at its lease.
-    reconcile(settings.flows, stores.flows())
+    # at its lease. A database that fails this one statement does not stop the
+    # relay: those rows wait for their lease, as they did before reconciling.
+    try:
+        reconcile(settings.flows, stores.flows())
+    except OutboxDatabaseError as exc:
+        stores.flows().reset_connection()
+        logger.warning(
+            "cannot release the rows of changed flows at start (%s): they are due "
+            "at their lease",
+            exc,
+        )
     wakeup = None
     if settings.notify and connections[stores.alias].vendor == "postgresql":
         wakeup = PgNotifyListener(stores.alias)
