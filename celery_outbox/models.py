@@ -266,14 +266,18 @@ class FlowSlot(models.Model):
     """A published task of a flow key that its worker has not reported finished.
 
     The gate writes it when it lets the task go; the worker marks it started and
-    deletes it when the task ends. A slot past ``expires_at`` (its worker died with the
-    report) no longer counts and is deleted by the next decision.
+    deletes it when the task ends. A started slot past ``expires_at`` (its worker died
+    with the report) no longer counts and is deleted by the next decision; an
+    unstarted one stays while its queue still holds its task.
     """
 
     id = models.BigAutoField(primary_key=True)
     flow = models.CharField(max_length=255)
     flow_key = models.CharField(max_length=255)
     task_id = models.CharField(max_length=255)
+    #: The broker queue its task went to: an unstarted slot past ``expires_at``
+    #: stays while the queue still holds its task (see ``flow.core.outlived``).
+    queue = models.CharField(max_length=255, default="", blank=True)
     started = models.BooleanField(default=False)
     expires_at = models.DateTimeField()
 

@@ -331,6 +331,23 @@ class AmqpPublisher(OnNodes):
         self._open_channel()
         return self.node
 
+    def depth(self, queues: Sequence[str]) -> dict[str, int]:
+        """Messages ready in each of ``queues`` (a passive declare each, on the
+        probe channel, which a missing queue closes: it holds none)."""
+        self._open_channel()
+        found: dict[str, int] = {}
+        for name in queues:
+            try:
+                found[name] = int(
+                    self._probe_channel()
+                    .queue_declare(name, passive=True)
+                    .message_count
+                )
+            except amqp_errors.NotFound:
+                self._probe = None
+                found[name] = 0
+        return found
+
     def close(self) -> None:
         """Drop the connection; the next batch reconnects."""
         connection, self._connection = self._connection, None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from ..envelope import StoredMessage, as_dict
 from ..outcomes import Outcome, PublishResult
@@ -67,6 +67,23 @@ class Publisher(Protocol):
     def close(self) -> None:
         """Drop any connection held."""
         ...
+
+
+@runtime_checkable
+class QueueDepth(Protocol):
+    """A publisher that can count the messages waiting in its broker's queues."""
+
+    def depth(self, queues: Sequence[str]) -> dict[str, int]:
+        """How many messages wait, ready, in each of ``queues`` (a queue that does
+        not exist holds none); raises when the broker cannot be asked now."""
+        ...
+
+
+def queue_depth(
+    publisher: object,
+) -> Callable[[Sequence[str]], Mapping[str, int]] | None:
+    """``publisher``'s way to count its queues; None when it has none."""
+    return publisher.depth if isinstance(publisher, QueueDepth) else None
 
 
 def describe(exc: BaseException) -> str:

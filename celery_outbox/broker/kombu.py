@@ -92,6 +92,32 @@ class KombuPublisher(OnNodes):
         self._open()
         return self.node
 
+    def depth(self, queues: Sequence[str]) -> dict[str, int]:
+        """Messages ready in each of ``queues`` (a passive declare each, on a
+        channel of its own, which a missing queue may close: it holds none)."""
+        self._open()
+        found: dict[str, int] = {}
+        channel = None
+        try:
+            for name in queues:
+                if channel is None:
+                    channel = self._connection.channel()
+                try:
+                    answer = channel.queue_declare(queue=name, passive=True)
+                except self._connection.channel_errors:
+                    # The transport's "no such queue" (AMQP closes the channel).
+                    with contextlib.suppress(Exception):
+                        channel.close()
+                    channel = None
+                    found[name] = 0
+                    continue
+                found[name] = int(answer.message_count)
+        finally:
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    channel.close()
+        return found
+
     def close(self) -> None:
         """Drop the connection; the next batch reconnects."""
         connection, self._connection, self._producer = self._connection, None, None

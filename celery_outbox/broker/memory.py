@@ -49,6 +49,16 @@ class InMemoryPublisher:
                 results.append(result)
         return results
 
+    def depth(self, queues: Sequence[str]) -> dict[str, int]:
+        """The messages of each of ``queues`` in :attr:`published` (a test takes
+        out what a worker received or the broker lost); raises while ``down``."""
+        self.ping()
+        with self._lock:
+            return {
+                name: sum(1 for e in self.published if e.queue == name)
+                for name in queues
+            }
+
     def ping(self) -> None:
         """Raise while ``down``."""
         if self.down:

@@ -511,6 +511,47 @@ class Candidate:
     #: Its flow key (``flow_key=``); None: the key limits do not apply to it.
     key: str | None
     task_id: str = ""
+    #: The broker queue it goes to (the one its slot asks the depth of).
+    queue: str = ""
+
+
+@dataclass(frozen=True)
+class Unstarted:
+    """A slot of a published task that no worker has reported started."""
+
+    #: The slot's id: a task published later has a larger one.
+    id: int
+    key: str
+    queue: str
+    #: Past its lease: its task may have left the queue without a report.
+    overdue: bool
+
+
+def outlived(
+    slots: Sequence[Unstarted], depths: Mapping[str, int] | None
+) -> tuple[tuple[Unstarted, ...], tuple[Unstarted, ...]]:
+    """Which overdue slots of ``slots`` (a flow's unstarted ones) stay and which
+    free, given how many messages wait in each of their queues (``depths``).
+
+    A queue hands its messages out oldest first, so the tasks it still holds are
+    the flow's newest unstarted ones on it, as many as it holds: an overdue slot
+    among them waits in the queue and stays (counted as ``queued`` however long it
+    waits); an older one has left the queue without a start report (a lost
+    message, a lost report, a worker that cannot report, a prefetch held past the
+    lease) and frees. Other tasks in the same queue make the guess keep more, never
+    free a waiting one. ``depths`` None: the broker cannot count its queues, and
+    every overdue slot frees (the lease alone).
+    """
+    keep: list[Unstarted] = []
+    free: list[Unstarted] = []
+    left = dict(depths or {})
+    for slot in sorted(slots, key=lambda s: s.id, reverse=True):
+        waiting = left.get(slot.queue, 0) > 0
+        if waiting:
+            left[slot.queue] -= 1
+        if slot.overdue:
+            (keep if waiting else free).append(slot)
+    return tuple(keep), tuple(free)
 
 
 @dataclass(frozen=True)
@@ -576,6 +617,9 @@ class Decided:
     free: tuple[int, ...]
     #: Rows put back to wait for a slot of their key (done by the store).
     waiting: tuple[int, ...] = ()
+    #: The queues of the flow's unstarted slots past their lease, still counted:
+    #: the gate asks the broker how many messages they hold (:func:`outlived`).
+    overdue: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

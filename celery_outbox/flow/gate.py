@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 
 from ..conf import OutboxSettings
 from ..engine.gate import RUNNING_SECONDS, Gate, KeyGate
@@ -43,10 +44,14 @@ class FlowGate(KeyGate):
         flows: Sequence[Flow],
         store: FlowStore,
         running_seconds: float = RUNNING_SECONDS,
+        depth: Callable[[Sequence[str]], Mapping[str, int]] | None = None,
     ) -> None:
+        """``depth`` counts the messages waiting in the broker's queues (the
+        publisher's); without it a slot whose task did not start frees at its lease."""
         super().__init__(running_seconds)
         self.flows = tuple(flows)
         self.store = store
+        self.depth = depth
         self._by_name = {flow.name: flow for flow in self.flows}
 
     def flow_name(self, task_name: str) -> str | None:
@@ -73,6 +78,8 @@ class FlowGate(KeyGate):
             if flow.limits and token:
                 decisions[name] = self.store.decide(flow, rows, token)
                 slotted.add(name)
+                if decisions[name].overdue:
+                    self._outlived(flow, decisions[name].overdue)
             else:
                 found = self.store.reserve(flow, len(rows))
                 decisions[name] = Decided(found, tuple(c.id for c in rows))
@@ -117,6 +124,37 @@ class FlowGate(KeyGate):
                 )
         return found
 
+    def _outlived(self, flow: Flow, queues: Sequence[str]) -> None:
+        """Settle ``flow``'s unstarted slots past their lease by what ``queues``
+        hold now (:func:`~.core.outlived`): a task that waits in its queue keeps
+        its slot however long it waits; one that left the queue unreported frees
+        its own. A broker that cannot be asked now keeps them all another lease."""
+        named = [queue for queue in queues if queue]
+        depths: Mapping[str, int] | None = None
+        if self.depth is not None:
+            try:
+                depths = self.depth(named) if named else {}
+            except Exception as exc:
+                logger.warning(
+                    "flow %r: cannot count the messages in queues %s (%s); the "
+                    "slots of tasks not started in them stay another lease",
+                    flow.name,
+                    ", ".join(named),
+                    exc,
+                )
+                # Every task may still wait: none of the slots frees.
+                depths = dict.fromkeys(named, sys.maxsize)
+        try:
+            self.store.outlived(flow, depths)
+        except OutboxDatabaseError as exc:
+            self.store.reset_connection()
+            logger.warning(
+                "flow %r: cannot settle the slots of tasks not started past their "
+                "lease (%s); the next decision tries again",
+                flow.name,
+                exc,
+            )
+
     def _named(self, admission: Admission, slotted: set[str]) -> Admission:
         """The admitted rows of the ``slotted`` flows (a slot of their key taken)
         naming their flow (:func:`named`)."""
@@ -132,7 +170,10 @@ def candidate(message: StoredMessage) -> Candidate:
     envelope = message.envelope
     key = envelope.headers.get(KEY_HEADER)
     return Candidate(
-        message.id, key if isinstance(key, str) and key else None, envelope.task_id
+        message.id,
+        key if isinstance(key, str) and key else None,
+        envelope.task_id,
+        envelope.queue,
     )
 
 
@@ -166,11 +207,16 @@ def named(message: StoredMessage, flow: str) -> StoredMessage:
     return dataclasses.replace(message, envelope=envelope)
 
 
-def gate_for(settings: OutboxSettings, store: FlowStore) -> Gate:
-    """The flow gate when flows are configured; else ordered keys' gate (no query)."""
+def gate_for(
+    settings: OutboxSettings,
+    store: FlowStore,
+    depth: Callable[[Sequence[str]], Mapping[str, int]] | None = None,
+) -> Gate:
+    """The flow gate when flows are configured; else ordered keys' gate (no query).
+    ``depth``: the publisher's count of its queues (:func:`~celery_outbox.broker.base.queue_depth`)."""
     if not settings.flows:
         return KeyGate(settings.strict_lease_seconds)
-    return FlowGate(settings.flows, store, settings.strict_lease_seconds)
+    return FlowGate(settings.flows, store, settings.strict_lease_seconds, depth)
 
 
 def reconcile(flows: Sequence[Flow], store: FlowStore) -> dict[str, int]:

@@ -20,6 +20,7 @@ from typing import Any
 from django.db import connections, transaction
 
 from ..broker import build_publisher
+from ..broker.base import queue_depth
 from ..conf import get_settings
 from ..flow.gate import gate_for
 from ..store import Stores
@@ -119,7 +120,7 @@ class CommitPublisher:
                 config,
                 observers=[send_relay_signals, *sent_event_observers(self._app)],
                 # A flow's rate holds for the rows published at the commit too.
-                gate=gate_for(settings, stores.flows()),
+                gate=gate_for(settings, stores.flows(), queue_depth(publisher)),
             )
             relays[alias] = relay
         return relay

@@ -10,6 +10,7 @@ from django.db import connections
 
 from ..app import resolve_app
 from ..broker import Publisher, broker_driver, build_publisher
+from ..broker.base import queue_depth
 from ..conf import OutboxSettings
 from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
@@ -116,7 +117,7 @@ def build_relay(
         observers=observers,
         batch_hooks=batch_hooks,
         heartbeat=heartbeat,
-        gate=gate_for(settings, stores.flows()),
+        gate=gate_for(settings, stores.flows(), queue_depth(publisher)),
     )
 
 

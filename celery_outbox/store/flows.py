@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from django.db import transaction
@@ -29,6 +30,7 @@ from ..flow.core import (
     KeyUse,
     Limits,
     Rate,
+    Unstarted,
     Use,
     by_key,
     flow_of,
@@ -36,6 +38,7 @@ from ..flow.core import (
     grant,
     holder,
     limits_in_force,
+    outlived,
     rates_in_force,
     rates_text,
     stale,
@@ -90,10 +93,10 @@ class FlowQueries(StoreBase):
             changed, paced_for, stored = self._lock(cursor, flow.name)
             limits = limits_in_force(flow, stored)
             keys = sorted({c.key for c in candidates if c.key is not None})
-            uses = (
+            uses, overdue = (
                 self._key_uses(cursor, flow.name, keys, [c.task_id for c in candidates])
                 if limits and keys
-                else {}
+                else ({}, ())
             )
             found = by_key(candidates, limits, uses) if limits else None
             free = found.free if found is not None else tuple(candidates)
@@ -104,7 +107,12 @@ class FlowQueries(StoreBase):
             waiting = found.waiting if found is not None else ()
             if waiting:
                 self._park(cursor, flow.name, waiting, token, flow.lease)
-        return Decided(granted, tuple(c.id for c in free), tuple(c.id for c in waiting))
+        return Decided(
+            granted,
+            tuple(c.id for c in free),
+            tuple(c.id for c in waiting),
+            overdue,
+        )
 
     def task_started(self, flow: Flow, key: str, task_id: str) -> int:
         """A task of ``key`` started on a worker: its slot no longer counts as
@@ -335,8 +343,10 @@ class FlowQueries(StoreBase):
 
     def _key_uses(
         self, cursor: Any, name: str, keys: Sequence[str], deciding: Sequence[str]
-    ) -> dict[str, KeyUse]:
-        """The slots each of ``keys`` holds; expired slots of the flow deleted first.
+    ) -> tuple[dict[str, KeyUse], tuple[str, ...]]:
+        """The slots each of ``keys`` holds, and the queues of the flow's unstarted
+        slots past their lease (counted until the gate learns whether their queue
+        still holds them); started slots past their lease deleted first.
 
         The unstarted slots of the tasks being decided (``deciding``: their task
         ids) do not count: a row whose publish failed comes back with its slot
@@ -345,9 +355,16 @@ class FlowQueries(StoreBase):
         """
         now = self.dialect.now()
         cursor.execute(
-            f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND expires_at <= {now}",
-            [name],
+            f"DELETE FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND started = %s AND "
+            f"expires_at <= {now}",
+            [name, True],
         )
+        cursor.execute(
+            f"SELECT DISTINCT queue FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND "
+            f"started = %s AND expires_at <= {now}",
+            [name, False],
+        )
+        overdue = tuple(sorted(str(queue) for (queue,) in cursor.fetchall()))
         cursor.execute(
             f"SELECT flow_key, COUNT(*), SUM(CASE WHEN started = %s THEN 0 ELSE 1 END) "
             f"FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND flow_key IN "
@@ -355,10 +372,46 @@ class FlowQueries(StoreBase):
             f"({placeholders(deciding)})) GROUP BY flow_key",
             [True, name, *keys, True, *deciding],
         )
-        return {
+        uses = {
             str(key): KeyUse(int(running), int(queued or 0))
             for key, running, queued in cursor.fetchall()
         }
+        return uses, overdue
+
+    def outlived(self, flow: Flow, depths: Mapping[str, int] | None) -> int:
+        """Settle ``flow``'s unstarted slots past their lease by what their queues
+        hold (``depths``, by :func:`~celery_outbox.flow.core.outlived`): a slot
+        whose task still waits stays, its lease from now; the others free, and a
+        parked row of the key is woken for each; how many freed."""
+        now = self.dialect.now()
+        with self._report(flow) as (cursor, _):
+            cursor.execute(
+                f"SELECT id, flow_key, queue, CASE WHEN expires_at <= {now} THEN 1 "
+                f"ELSE 0 END FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND started = %s",
+                [flow.name, False],
+            )
+            slots = [
+                Unstarted(int(i), str(key), str(queue), bool(int(overdue)))
+                for i, key, queue, overdue in cursor.fetchall()
+            ]
+            keep, free = outlived(slots, depths)
+            for start in range(0, len(keep), RELEASE_CHUNK):
+                ids = [slot.id for slot in keep[start : start + RELEASE_CHUNK]]
+                until_sql, until_params = self.dialect.after(flow.lease)
+                cursor.execute(
+                    f"UPDATE {FLOW_SLOT_TABLE} SET expires_at = {until_sql} WHERE id "
+                    f"IN ({placeholders(ids)})",
+                    [*until_params, *ids],
+                )
+            for start in range(0, len(free), RELEASE_CHUNK):
+                ids = [slot.id for slot in free[start : start + RELEASE_CHUNK]]
+                cursor.execute(
+                    f"DELETE FROM {FLOW_SLOT_TABLE} WHERE id IN ({placeholders(ids)})",
+                    ids,
+                )
+            for key, count in sorted(Counter(slot.key for slot in free).items()):
+                self._wake(cursor, flow, key, count)
+        return len(free)
 
     def _take_slots(
         self,
@@ -378,13 +431,15 @@ class FlowQueries(StoreBase):
             [flow.name, False, *task_ids],
         )
         until_sql, until_params = self.dialect.after(flow.lease)
-        values = ", ".join([f"(%s, %s, %s, %s, {until_sql})"] * len(going))
+        values = ", ".join([f"(%s, %s, %s, %s, %s, {until_sql})"] * len(going))
         params: list[Any] = []
         for c in going:
-            params.extend([flow.name, c.key, c.task_id, started, *until_params])
+            params.extend(
+                [flow.name, c.key, c.task_id, c.queue, started, *until_params]
+            )
         cursor.execute(
-            f"INSERT INTO {FLOW_SLOT_TABLE} (flow, flow_key, task_id, started, expires_at) "
-            f"VALUES {values}",
+            f"INSERT INTO {FLOW_SLOT_TABLE} (flow, flow_key, task_id, queue, started, "
+            f"expires_at) VALUES {values}",
             params,
         )
 
@@ -400,8 +455,10 @@ class FlowQueries(StoreBase):
         their key: a report wakes them; without one they come back when the key's
         first slot would free by its lease (the lease of a slot whose task started
         counts from the start: a row back too early waits again until then only),
-        or after the lease when the key holds none."""
+        or after the lease when the key holds none. A slot already past its lease
+        is settled by the gate next (:meth:`outlived`), which wakes a row for it."""
         after_sql, after_params = self.dialect.after(lease)
+        now = self.dialect.now()
         by_key: dict[str, list[int]] = {}
         for c in waiting:
             by_key.setdefault(str(c.key), []).append(c.id)
@@ -409,7 +466,8 @@ class FlowQueries(StoreBase):
             cursor.execute(
                 f"UPDATE {MESSAGE_TABLE} SET state = '{PARKED}', flow_key = %s, "
                 f"last_error = %s, available_at = COALESCE((SELECT MIN(expires_at) "
-                f"FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND flow_key = %s), "
+                f"FROM {FLOW_SLOT_TABLE} WHERE flow = %s AND flow_key = %s AND "
+                f"expires_at > {now}), "
                 f"{after_sql}), lease_token = NULL, holder = NULL WHERE lease_token "
                 f"= %s AND id IN ({placeholders(ids)})",
                 [key, waiting_reason(name, key), name, key, *after_params, token, *ids],
@@ -492,9 +550,9 @@ class FlowQueries(StoreBase):
             by_task = [(str(name), int(count)) for name, count in cursor.fetchall()]
             cursor.execute(
                 f"SELECT flow, flow_key, COUNT(*), SUM(CASE WHEN started = %s THEN 0 "
-                f"ELSE 1 END) FROM {FLOW_SLOT_TABLE} WHERE expires_at > {now} "
-                f"GROUP BY flow, flow_key",
-                [True],
+                f"ELSE 1 END) FROM {FLOW_SLOT_TABLE} WHERE started = %s OR "
+                f"expires_at > {now} GROUP BY flow, flow_key",
+                [True, False],
             )
             slots = [
                 (str(f), str(k), int(n), int(q or 0))

@@ -9,10 +9,11 @@ test moves through windows without sleeping. Given the in-memory outbox's
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..flow.core import (
@@ -25,11 +26,13 @@ from ..flow.core import (
     KeyUse,
     Limits,
     Rate,
+    Unstarted,
     by_key,
     frees_a_place,
     grant,
     holder,
     limits_in_force,
+    outlived,
     rates_in_force,
     rates_text,
     stale,
@@ -39,6 +42,9 @@ from ..flow.core import (
 from .flows import MINUTE, flow_stats
 from .memory import Tables
 
+#: Slot ids, in the order slots are taken (a slot taken later has a larger one).
+_SERIALS = itertools.count(1)
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -46,6 +52,8 @@ class _Slot:
     key: str
     started: bool
     expires_at: float
+    queue: str = ""
+    id: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
 
 
 class InMemoryFlows:
@@ -89,7 +97,8 @@ class InMemoryFlows:
             now = self.clock()
             limits = limits_in_force(flow, self.limits.get(flow.name))
             slots = self.slots.setdefault(flow.name, [])
-            slots[:] = [s for s in slots if s.expires_at > now]
+            slots[:] = [s for s in slots if not s.started or s.expires_at > now]
+            overdue = sorted({s.queue for s in slots if s.expires_at <= now})
             uses: dict[str, KeyUse] = {}
             deciding = {c.task_id for c in candidates}
             for slot in slots:
@@ -105,14 +114,38 @@ class InMemoryFlows:
             mine = {c.task_id for c in going}
             slots[:] = [s for s in slots if s.started or s.task_id not in mine]
             slots.extend(
-                _Slot(c.task_id, str(c.key), False, now + flow.lease) for c in going
+                _Slot(c.task_id, str(c.key), False, now + flow.lease, c.queue)
+                for c in going
             )
             self._park(flow, found.waiting, token, now)
         return Decided(
             granted,
             tuple(c.id for c in found.free),
             tuple(c.id for c in found.waiting),
+            tuple(overdue),
         )
+
+    def outlived(self, flow: Flow, depths: Mapping[str, int] | None) -> int:
+        """Overdue unstarted slots whose queue still holds them stay, their lease
+        from now; the others free, a parked row of the key woken for each."""
+        with self._lock:
+            now = self.clock()
+            slots = self.slots.setdefault(flow.name, [])
+            unstarted = {s.id: s for s in slots if not s.started}
+            keep, free = outlived(
+                [
+                    Unstarted(s.id, s.key, s.queue, s.expires_at <= now)
+                    for s in unstarted.values()
+                ],
+                depths,
+            )
+            for slot in keep:
+                unstarted[slot.id].expires_at = now + flow.lease
+            gone = {slot.id for slot in free}
+            slots[:] = [s for s in slots if s.id not in gone]
+            for key, count in sorted(Counter(slot.key for slot in free).items()):
+                self._wake(flow.name, key, count, now)
+        return len(free)
 
     def task_started(self, flow: Flow, key: str, task_id: str) -> int:
         """The slot is started (taken again if gone); with a queued limit, a wake."""
@@ -257,7 +290,8 @@ class InMemoryFlows:
         for c in waiting:
             key = str(c.key)
             back = min(
-                (s.expires_at for s in slots if s.key == key), default=now + flow.lease
+                (s.expires_at for s in slots if s.key == key and s.expires_at > now),
+                default=now + flow.lease,
             )
             if tables is not None:
                 with tables.lock:
@@ -309,7 +343,9 @@ class InMemoryFlows:
             slots: list[tuple[str, str, int, int]] = []
             for name, taken in self.slots.items():
                 per_key: Counter[tuple[str, bool]] = Counter(
-                    (slot.key, slot.started) for slot in taken if slot.expires_at > now
+                    (slot.key, slot.started)
+                    for slot in taken
+                    if not slot.started or slot.expires_at > now
                 )
                 for key in sorted({k for k, _ in per_key}):
                     running = per_key[(key, True)] + per_key[(key, False)]

@@ -11,7 +11,7 @@ Django implementation of each on one database alias; :mod:`.memory` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -345,6 +345,13 @@ class FlowStore(Protocol):
     def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
         """``rows`` of ``flow`` took a slot and did not reach the broker: their
         unstarted slots free, a parked row of the key woken for each; how many."""
+        ...
+
+    def outlived(self, flow: Flow, depths: Mapping[str, int] | None) -> int:
+        """Settle the flow's unstarted slots past their lease by how many messages
+        their queues hold (``depths``; None: unknown, they free): those whose task
+        still waits stay, their lease from now; the rest free, a parked row of the
+        key woken for each; how many freed."""
         ...
 
     def set_rates(self, name: str, rates: Sequence[Rate] | None) -> None:

@@ -272,15 +272,76 @@ class FlowContract:
     def test_a_slot_no_report_frees_frees_after_the_lease(
         self, flows: FlowHarness
     ) -> None:
+        # Its queue no longer holds the task (a worker that cannot report took it,
+        # or the broker lost it): past the lease the slot frees and wakes a2.
         partner = keyed_flow(lease=1.0, running=1)
         flows.enqueue([of_key("a1", "a"), of_key("a2", "a")])
         decided, _ = self.decide(flows, partner)
-        assert len(decided.waiting) == 1
+        assert (len(decided.waiting), decided.overdue) == (1, ())
         flows.wait(1.1)
         token, again = flows.claim(50)
         assert tags(again) == ["a2"]
         found = flows.flows.decide(partner, [candidate(m) for m in again], token)
-        assert (len(found.free), found.waiting) == (1, ())
+        # Counted until the gate learns what the queue holds.
+        assert (found.free, len(found.waiting), found.overdue) == ((), 1, ("celery",))
+        assert flows.flows.outlived(partner, {"celery": 0}) == 1
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2"]
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (len(found.free), found.waiting, found.overdue) == (1, (), ())
+
+    def test_a_task_waiting_in_its_queue_past_the_lease_keeps_its_slot(
+        self, flows: FlowHarness
+    ) -> None:
+        # The workers are slow: a1 waits in the queue longer than the lease. It is
+        # still queued, and the key's next task waits for it, however long.
+        partner = keyed_flow(lease=1.0, queued=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a")])
+        self.decide(flows, partner)
+        flows.wait(1.1)
+        token, again = flows.claim(50)
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (found.free, found.overdue) == ((), ("celery",))
+        assert flows.flows.outlived(partner, {"celery": 1}) == 0
+        stats = flows.flows.flow_stats([partner])[0]
+        assert (stats.running, stats.queued) == (1, 1)
+        # Its lease counts again from now: the next decision finds nothing overdue.
+        flows.wait(0.5)
+        token, again = flows.claim(50)
+        assert tags(again) == []  # a2 parked until then
+        assert flows.flows.task_started(partner, "a", self.ids["a1"]) == 1
+        token, again = flows.claim(50)
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (tags(again), len(found.free), found.overdue) == (["a2"], 1, ())
+
+    def test_a_queue_that_holds_fewer_tasks_frees_the_oldest_slots(
+        self, flows: FlowHarness
+    ) -> None:
+        # A queue hands out its oldest message first: with one message left in
+        # it, a1 (published first) is the one that left unreported.
+        partner = keyed_flow(lease=1.0, running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("b1", "b")])
+        self.decide(flows, partner)
+        flows.enqueue([of_key("a2", "a"), of_key("b2", "b")])
+        flows.wait(1.1)
+        token, again = flows.claim(50)
+        found = flows.flows.decide(partner, [candidate(m) for m in again], token)
+        assert (found.free, found.overdue) == ((), ("celery",))
+        assert flows.flows.outlived(partner, {"celery": 1}) == 1
+        token, again = flows.claim(50)
+        assert tags(again) == ["a2"]  # b1 still waits in the queue: b2 stays parked
+        stats = flows.flows.flow_stats([partner])[0]
+        assert [(k.key, k.running) for k in stats.keys] == [("b", 1)]
+
+    def test_a_broker_that_cannot_count_leaves_the_lease_alone_to_free(
+        self, flows: FlowHarness
+    ) -> None:
+        partner = keyed_flow(lease=1.0, running=1)
+        flows.enqueue([of_key("a1", "a"), of_key("a2", "a")])
+        self.decide(flows, partner)
+        flows.wait(1.1)
+        assert flows.flows.outlived(partner, None) == 1
+        assert tags(flows.claim(50)[1]) == ["a2"]
 
     def test_a_row_waiting_for_a_started_slot_comes_back_when_its_lease_ends(
         self, flows: FlowHarness

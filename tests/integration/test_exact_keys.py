@@ -275,9 +275,13 @@ def test_the_rules_migrations_keep_the_rows_and_go_back(
         ("celery_outbox_flow_slot", "task_id"),
         ("celery_outbox_handler_shard", "holder"),
     } <= set(before)
-    FlowSlot.objects.using(alias).create(
-        flow="Partner", flow_key="Tenant-A ", task_id="t1", expires_at=timezone.now()
-    )
+    # The table as 0011 made it (the model has columns added since).
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO celery_outbox_flow_slot (flow, flow_key, task_id, started, "
+            "expires_at) VALUES (%s, %s, %s, %s, %s)",
+            ["Partner", "Tenant-A ", "t1", False, timezone.now()],
+        )
     for app in BEFORE_THE_RULE:
         call_command("migrate", app, database=alias, verbosity=0)
     assert folding_columns(alias, tables, free_text())[1] == {}

@@ -24,7 +24,7 @@ from kombu import Connection, Queue
 
 from celery_outbox.broker import InMemoryPublisher, Publisher, is_outage
 from celery_outbox.broker.amqp import AmqpPublisher
-from celery_outbox.broker.base import FixedBudget
+from celery_outbox.broker.base import FixedBudget, queue_depth
 from celery_outbox.broker.kombu import KombuPublisher
 from celery_outbox.broker.redis import RedisPublisher
 from celery_outbox.envelope import StoredMessage
@@ -401,3 +401,46 @@ def test_ping_raises_an_outage_only_while_the_broker_is_unreachable(
         assert is_outage(exc), exc
     else:
         pytest.fail("ping() did not raise with the broker unreachable")
+
+
+def test_depth_counts_what_waits_in_each_queue_whatever_its_priority(
+    broker: BrokerHarness,
+) -> None:
+    # A flow's slot whose task did not start past its lease stays while its queue
+    # still holds it: the count must see every message that waits, on kombu's Redis
+    # in each priority's list too, and a queue never declared holds none.
+    publisher = broker.publisher()
+    depth = queue_depth(publisher)
+    assert depth is not None
+    urgent = StoredMessage(
+        next(_ids),
+        0,
+        envelope(
+            "urgent",
+            routing_key=broker.queue,
+            declare=(broker.queue,),
+            queue=broker.queue,
+            properties={"delivery_mode": 2, "priority": 9},
+        ),
+    )
+    batch = [*messages(broker, 3), urgent]
+    assert [r.outcome for r in publisher.publish(batch, budget())] == [
+        Outcome.PUBLISHED
+    ] * 4
+    missing = f"{broker.queue}-never-declared"
+    # Unconfirmed publishes reach the queue a moment after the send returns.
+    deadline = time.monotonic() + SECONDS
+    while (found := depth([broker.queue, missing]))[broker.queue] < 4:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert found == {broker.queue: 4, missing: 0}
+
+
+def test_depth_raises_while_the_broker_cannot_be_asked(broker: BrokerHarness) -> None:
+    broker.down = True
+    depth = queue_depth(broker.publisher())
+    assert depth is not None
+    with pytest.raises(Exception) as raised:
+        depth([broker.queue])
+    assert is_outage(raised.value), raised.value
