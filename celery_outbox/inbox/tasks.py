@@ -19,16 +19,15 @@ from typing import Any
 from celery import shared_task
 
 from ..conf import get_settings
-from ..task import OutboxTask
 from .store import PURGE_CHUNK, InboxStore
 from .task import inbox_alias
 
 logger = logging.getLogger("celery_outbox.inbox")
 
 
-@shared_task(
-    name="celery_outbox.inbox.purge", ignore_result=True, base=OutboxTask, inbox=False
-)
+# The app's own task class (``OutboxTask`` on an ``OutboxCelery`` app, which composes
+# this folder's part); inbox=False: the purge keeps no inbox row of its own.
+@shared_task(name="celery_outbox.inbox.purge", ignore_result=True, inbox=False)
 def purge(chunk: int = PURGE_CHUNK) -> dict[str, Any]:
     """Delete inbox rows older than the retention; returns ``{"deleted", "retention_seconds"}``."""
     settings = get_settings()
