@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from celery import shared_task
+from celery.contrib.django.task import DjangoTask
 
 from ..conf import get_settings
 from .store import PURGE_CHUNK, InboxStore
@@ -25,9 +26,9 @@ from .task import inbox_alias
 logger = logging.getLogger("celery_outbox.inbox")
 
 
-# The app's own task class (``OutboxTask`` on an ``OutboxCelery`` app, which composes
-# this folder's part); inbox=False: the purge keeps no inbox row of its own.
-@shared_task(name="celery_outbox.inbox.purge", ignore_result=True, inbox=False)
+# Celery's DjangoTask without the inbox's part: the purge keeps no inbox row of its
+# own (it was OutboxTask with inbox=False, whose ordering part it never used).
+@shared_task(name="celery_outbox.inbox.purge", ignore_result=True, base=DjangoTask)
 def purge(chunk: int = PURGE_CHUNK) -> dict[str, Any]:
     """Delete inbox rows older than the retention; returns ``{"deleted", "retention_seconds"}``."""
     settings = get_settings()
