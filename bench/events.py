@@ -26,7 +26,7 @@ from typing import Any
 from bench import env
 from bench.events_e2e import STEPS as E2E_STEPS
 from bench.events_e2e import E2EResult, E2ESizes, forget, run_broker
-from bench.run import BenchError, median
+from bench.harness import BenchError, median, prepare
 
 SERVICES = (("billing", "order.*"), ("shipping", "order.created"))
 #: Events per transaction when firing.
@@ -239,8 +239,6 @@ def _render_e2e(results: dict[str, E2EResult], sizes: E2ESizes) -> str:
 
 if __name__ == "__main__":
     import sys
-
-    from bench.run import prepare
 
     prepare()
     print(bench_events("--quick" in sys.argv))

@@ -35,6 +35,7 @@ from typing import Any
 
 from bench import env
 from bench.events_records import HANDLED, PROBED, Records, service_name
+from bench.harness import ROOT, BenchError, child_env
 
 #: Each service's subscribers: (service, its patterns).
 E2E_SERVICES = (
@@ -104,7 +105,6 @@ class Process:
     def __init__(
         self, name: str, args: list[str], environ: dict[str, str], logs: Path
     ) -> None:
-        from bench.run import ROOT
 
         self.name = name
         self.terminated = False
@@ -125,7 +125,6 @@ class Process:
 
     def wait_for(self, text: str, timeout: float) -> None:
         """Wait until the log holds ``text``; BenchError on exit or timeout."""
-        from bench.run import BenchError
 
         deadline = time.monotonic() + timeout
         while text not in self.output():
@@ -154,7 +153,6 @@ class Process:
 
 def wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll ``condition`` until it holds; BenchError at the deadline."""
-    from bench.run import BenchError
 
     deadline = time.monotonic() + timeout
     while not condition():
@@ -170,7 +168,6 @@ def run_broker(kind: str, retries: str, exchange: str, sizes: E2ESizes) -> E2ERe
 
     Call it with the driver's settings overridden to the same exchange and retries.
     """
-    from bench.run import child_env
 
     environ = child_env(
         DJANGO_SETTINGS_MODULE="bench.events_settings",
@@ -294,8 +291,6 @@ def _handle(
     """Fire ``events`` in transactions of ``per_commit``; wait until both services
     handled them all; handled/s from the first commit returning."""
     from django.db import transaction
-
-    from bench.run import BenchError
 
     for service in services:
         records.clear(service, HANDLED)

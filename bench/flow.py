@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.run import BenchError, Brokers, child_env, child_json
+from bench.harness import BenchError, Brokers, child_env, child_json
 from bench.strict_stack import (
     CONCURRENCY,
     WORKERS,

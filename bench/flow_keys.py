@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.run import BenchError, Brokers, child_env, child_json, percentile
+from bench.harness import BenchError, Brokers, child_env, child_json, percentile
 from bench.strict_stack import part_env, running, warm_up
 
 SETTINGS = "bench.flow_keys_settings"

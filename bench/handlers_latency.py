@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import env
+from bench.harness import BenchError, Child, child_env, percentile
 
 CATEGORY = "bench.latency"
 #: The Redis list the receiver appends to; named after the run's queue, so the
@@ -126,7 +127,6 @@ def emit_one(object_id: str, number: int, flush: bool) -> float:
 
 def runs(expected: int, timeout: float) -> dict[str, tuple[int, float]]:
     """Object id -> (pid, monotonic time) of every run, once ``expected`` are in."""
-    from bench.run import BenchError
 
     client = _redis()
     deadline = time.monotonic() + timeout
@@ -147,7 +147,6 @@ def runs(expected: int, timeout: float) -> dict[str, tuple[int, float]]:
 
 def warm_up(processor_pid: int, flush: bool, tag: str) -> None:
     """One message through the processor (it is up), then a few as measured."""
-    from bench.run import BenchError
 
     emit_one(f"{tag}-warm", 0, flush=False)
     (pid, _) = runs(1, STARTUP_TIMEOUT)[f"{tag}-warm"]
@@ -160,7 +159,6 @@ def warm_up(processor_pid: int, flush: bool, tag: str) -> None:
 
 def measure(variant: Variant, seconds: float, tag: str, samples: Samples) -> None:
     """Emit at :data:`RATE` for ``seconds`` with a processor of the variant's own."""
-    from bench.run import Child, child_env
 
     processor = Child(
         [
@@ -213,7 +211,6 @@ def bench_handlers(quick: bool, repeats: int | None) -> str:
 
 
 def render(sizes: HandlerSizes, samples: dict[str, Samples]) -> str:
-    from bench.run import percentile
 
     lines = [
         f"11. handler outboxes: commit -> receiver called, ms; {RATE:.0f} emits/s "

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench.run import (
+from bench.harness import (
     BenchError,
     Brokers,
     Child,

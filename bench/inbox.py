@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import env
-from bench.run import BenchError, child_env, child_json, median, verdict
+from bench.harness import BenchError, child_env, child_json, median, verdict
 
 VARIANTS = ("autocommit", "atomic", "atomic+row", "inbox")
 VENDORS = {"postgresql": "PostgreSQL", "mysql": "MariaDB"}

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench import env
+from bench.harness import capture_envelopes, drain_once, fill, truncate
 
 #: Layout name -> the ordering key of message number ``i``.
 LAYOUTS: dict[str, Callable[[int], str | None]] = {
@@ -54,7 +55,6 @@ def bench_keyed(sizes: Any, brokers: Any, envelopes: Sequence[Any]) -> str:
     table with each layout's median and its share of the unkeyed rate (the target:
     at least half).
     """
-    from bench.run import drain_once, truncate
 
     layouts = laid_out(envelopes[: sizes.drain_rows], KEYED_LAYOUTS)
     samples: dict[str, list[float]] = {name: [] for name in layouts}
@@ -76,7 +76,6 @@ def bench_keyed(sizes: Any, brokers: Any, envelopes: Sequence[Any]) -> str:
 
 def drain(envelopes: Sequence[Any], batch: int) -> float:
     """Rows per second to claim and delete every row (the table filled first)."""
-    from bench.run import fill
     from celery_outbox.outcomes import Settlement
     from celery_outbox.store import Stores
 
@@ -104,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     env.ensure_database()
     env.setup_django()
     from django.core.management import call_command
-
-    from bench.run import capture_envelopes
 
     call_command("migrate", verbosity=0)
     plain = capture_envelopes(args.rows)

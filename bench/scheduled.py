@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import env
+from bench.harness import ROOT, BenchError, child_env, outbox_count, percentile
 
 #: Seconds between two ETAs: longer than the relay's adaptive poll needs to reach
 #: its ceiling (1 s), so each ETA finds it idle.
@@ -98,7 +99,6 @@ class Arrivals:
 
 
 def start_relay(kind: str) -> subprocess.Popen[bytes]:
-    from bench.run import ROOT, child_env
 
     environ = child_env(OUTBOX_BENCH_BROKER=kind)
     environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
@@ -119,7 +119,6 @@ def measure(kind: str, tasks: int, late: list[float]) -> None:
     from django.test.utils import override_settings
 
     from bench.celery import noop
-    from bench.run import BenchError, outbox_count
     from celery_outbox.models import RelayHeartbeat
 
     arrivals = Arrivals(kind)
@@ -175,7 +174,6 @@ def bench_scheduled(quick: bool, repeats: int | None) -> str:
 
 
 def render(sizes: ScheduledSizes, samples: dict[str, list[float]]) -> str:
-    from bench.run import percentile
 
     lines = [
         f"13. scheduled tasks: published - ETA, ms; {sizes.tasks} tasks x "

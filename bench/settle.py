@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench.run import BenchError, child_env, child_json, verdict
+from bench.harness import BenchError, child_env, child_json, verdict
 
 VENDORS = {"postgresql": "PostgreSQL", "mysql": "MariaDB", "sqlite": "SQLite"}
 KINDS = ("retry", "dead letter")

@@ -37,6 +37,15 @@ from typing import Any
 os.environ.setdefault("OUTBOX_BENCH_DB", "outbox_bench_soak")
 
 from bench import env
+from bench.harness import (
+    ROOT,
+    BenchError,
+    Brokers,
+    Child,
+    capture_envelopes,
+    child_env,
+    prepare,
+)
 from bench.soak_table import (
     RECOMMENDED,
     Sample,
@@ -181,8 +190,6 @@ class Run:
 
 def soak(run: Run) -> Run:
     """Produce, relay and sample until every message reached RabbitMQ."""
-    from bench.run import BenchError, Brokers, Child, capture_envelopes, child_env
-
     brokers = Brokers()
     brokers.amqp_purge()
     prepare_table(run.autovacuum)
@@ -267,8 +274,6 @@ def run_soak(quick: bool) -> None:
     """``python -m bench --only soak``: the soak in a process of its own database."""
     import subprocess
 
-    from bench.run import ROOT
-
     # A run id and queue of its own; the services where the parent's are, the
     # database beside the parent's (outbox_bench_soak next to outbox_bench).
     fresh = ("OUTBOX_BENCH_RUN", "OUTBOX_BENCH_QUEUE")
@@ -307,7 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="FILE", help="also write every line as JSON")
     args = parser.parse_args(argv)
-    from bench.run import prepare
 
     prepare()
     run = soak(Run(args.count, args.rate, args.every, args.autovacuum))

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import env
-from bench.run import BenchError, Brokers, child_env, child_json, median, percentile
+from bench.harness import BenchError, Brokers, child_env, child_json, median, percentile
 from bench.strict_stack import CONCURRENCY, WORKERS, stack
 
 #: The longest random task duration (seconds); durations are uniform from 0.

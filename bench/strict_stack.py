@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from bench import env
-from bench.run import ROOT, BenchError, Brokers, Child, child_env
+from bench.harness import ROOT, BenchError, Brokers, Child, child_env
 
 WORKERS = 2
 CONCURRENCY = 2

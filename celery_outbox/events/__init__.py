@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+# delivery and worker hook into the registry's first subscriber as they are imported.
+from . import delivery, worker  # noqa: F401
 from .registry import DELIVER_TASK, EVENT_HEADER, Event, Subscriber, registry_of
 
 __all__ = ["DELIVER_TASK", "EVENT_HEADER", "Event", "Subscriber", "registry_of"]

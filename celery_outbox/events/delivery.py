@@ -40,10 +40,38 @@ from . import held
 from .held import ERROR_HEADER, FAILED_AT_HEADER, HEADER_ERROR_LIMIT
 from .modes import Retries
 from .once import run_subscriber
-from .registry import DELIVER_TASK, EVENT_HEADER, Subscriber, registry_of
+from .registry import (
+    DELIVER_TASK,
+    EVENT_HEADER,
+    FIRST_SUBSCRIBER,
+    Registry,
+    Subscriber,
+    registry_of,
+)
 from .topology import ServiceTopology, retry_delay
 
 logger = logging.getLogger("celery_outbox.events")
+
+#: The consumer defaults of the delivering task. Override any of them with Celery's
+#: own ``task_annotations = {"celery_outbox.events.deliver": {"acks_late": False}}``.
+#: A failed subscriber's event is settled by the task itself (retry or archive,
+#: then ack), and a hard time limit or a lost process by its request class
+#: (:class:`~.endings.DeliveryRequest`), whatever these say; they apply to what is
+#: left to Celery.
+CONSUMER_DEFAULTS: dict[str, Any] = {
+    "acks_late": True,  # ack after the subscriber ran (or its retry was published)
+    # A process lost while the worker shuts down cold: the message is redelivered.
+    "reject_on_worker_lost": True,
+    # A failure of the task itself (not of its subscriber): rejected, so RabbitMQ
+    # dead-letters it into retry step 0.
+    "acks_on_failure_or_timeout": False,
+    # Celery 5.7's own retry of a lost task would send a second copy: the request
+    # class retries it on the lane's schedule.
+    "retry_on_worker_lost": False,
+    "ignore_result": True,  # several services subscribe to one event: no single result
+}
+#: The delivering task's request class: settles the endings the main process sees.
+REQUEST_CLASS = "celery_outbox.events.endings:DeliveryRequest"
 
 __all__ = [
     "ERROR_HEADER",
@@ -141,6 +169,25 @@ def deliver(task: Any, *args: Any, **kwargs: Any) -> None:
         raise  # the subscriber ended the event itself: acked, nothing retried or kept
     except Exception as exc:
         _settle(task, target, exc, args, kwargs)
+
+
+def register_deliver_task(registry: Registry) -> None:
+    """Create the delivering task in ``registry``'s app (on its first subscriber)."""
+    # Lazy (the app may not be finalized yet): the task is created on first use.
+    # inbox=False: a retry is the same message (same id) again, which the inbox
+    # of the delivering task itself would skip as a duplicate. A subscriber's own
+    # inbox (``@app.subscriber(..., inbox=True)``) is applied by ``deliver``.
+    registry.app.task(
+        name=DELIVER_TASK,
+        bind=True,
+        inbox=False,
+        shared=False,
+        Request=REQUEST_CLASS,
+        **CONSUMER_DEFAULTS,
+    )(deliver)
+
+
+FIRST_SUBSCRIBER.append(register_deliver_task)
 
 
 def settle_outside(task: Any, exc: BaseException, args: Any, kwargs: Any) -> None:

@@ -41,26 +41,12 @@ DELIVER_TASK = "celery_outbox.events.deliver"
 #: The message header naming the event.
 EVENT_HEADER = "outbox_event"
 
-#: The consumer defaults of the delivering task. Override any of them with Celery's
-#: own ``task_annotations = {"celery_outbox.events.deliver": {"acks_late": False}}``.
-#: A failed subscriber's event is settled by the task itself (retry or archive,
-#: then ack), and a hard time limit or a lost process by its request class
-#: (:class:`~.endings.DeliveryRequest`), whatever these say; they apply to what is
-#: left to Celery.
-CONSUMER_DEFAULTS: dict[str, Any] = {
-    "acks_late": True,  # ack after the subscriber ran (or its retry was published)
-    # A process lost while the worker shuts down cold: the message is redelivered.
-    "reject_on_worker_lost": True,
-    # A failure of the task itself (not of its subscriber): rejected, so RabbitMQ
-    # dead-letters it into retry step 0.
-    "acks_on_failure_or_timeout": False,
-    # Celery 5.7's own retry of a lost task would send a second copy: the request
-    # class retries it on the lane's schedule.
-    "retry_on_worker_lost": False,
-    "ignore_result": True,  # several services subscribe to one event: no single result
-}
-#: The delivering task's request class: settles the endings the main process sees.
-REQUEST_CLASS = "celery_outbox.events.endings:DeliveryRequest"
+#: Called with a registry when its first subscriber is added, in the order added.
+#: The parts of this folder that act on a service with subscribers hook in here as
+#: they are imported (the package imports them), so this module needs none of them:
+#: :mod:`.worker` declares and consumes the service's queues at worker start, and
+#: :mod:`.delivery` registers the delivering task.
+FIRST_SUBSCRIBER: list[Callable[[Registry], None]] = []
 
 
 @dataclass(frozen=True)
@@ -123,7 +109,7 @@ class Registry:
     def __init__(self, app: Any) -> None:
         self._app = weakref.ref(app)
         self.subscribers: dict[str, Subscriber] = {}
-        self._deliver_registered = False
+        self._has_subscribers = False
         self._retries: dict[tuple[str, str], Retries] = {}
 
     @property
@@ -195,7 +181,7 @@ class Registry:
         self.subscribers[pattern] = Subscriber(
             pattern, task, max_retries, tuple(retry_for)
         )
-        self._register_deliver_task()
+        self._first_subscriber()
         return task
 
     def subscriber_for(self, event: str) -> Subscriber | None:
@@ -223,25 +209,12 @@ class Registry:
         _renamed("Registry.handler_for()", "Registry.subscriber_for()")
         return self.subscriber_for(event)
 
-    def _register_deliver_task(self) -> None:
-        if self._deliver_registered:
+    def _first_subscriber(self) -> None:
+        if self._has_subscribers:
             return
-        from . import worker  # noqa: F401  (declares and consumes at worker start)
-        from .delivery import deliver
-
-        # Lazy (the app may not be finalized yet): the task is created on first use.
-        # inbox=False: a retry is the same message (same id) again, which the inbox
-        # of the delivering task itself would skip as a duplicate. A subscriber's own
-        # inbox (``@app.subscriber(..., inbox=True)``) is applied by ``deliver``.
-        self.app.task(
-            name=DELIVER_TASK,
-            bind=True,
-            inbox=False,
-            shared=False,
-            Request=REQUEST_CLASS,
-            **CONSUMER_DEFAULTS,
-        )(deliver)
-        self._deliver_registered = True
+        for hook in FIRST_SUBSCRIBER:
+            hook(self)
+        self._has_subscribers = True
 
 
 #: The attribute of an app that holds its :class:`Registry`. On the app itself, not in

@@ -9,7 +9,7 @@ from celery.signals import celeryd_after_setup
 
 from ..conf import get_settings
 from .declare import declare
-from .registry import registry_of
+from .registry import FIRST_SUBSCRIBER, Registry, registry_of
 
 logger = logging.getLogger("celery_outbox.events")
 
@@ -32,7 +32,15 @@ def prepare_worker(app: Any) -> list[str]:
     return names
 
 
-@celeryd_after_setup.connect(weak=False)
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
     if instance is not None:
         prepare_worker(instance.app)
+
+
+def listen_at_worker_start(registry: Registry) -> None:
+    """Prepare the worker at its start, once a service has a subscriber."""
+    # Connecting the same receiver again does nothing: one connection per process.
+    celeryd_after_setup.connect(_on_worker_setup, weak=False)
+
+
+FIRST_SUBSCRIBER.append(listen_at_worker_start)

@@ -17,18 +17,18 @@ import logging
 from typing import Any
 
 from celery import shared_task
+from celery.contrib.django.task import DjangoTask
 
 from ..conf import get_settings
-from ..task import OutboxTask
 from .store import PURGE_CHUNK, InboxStore
 from .task import inbox_alias
 
 logger = logging.getLogger("celery_outbox.inbox")
 
 
-@shared_task(
-    name="celery_outbox.inbox.purge", ignore_result=True, base=OutboxTask, inbox=False
-)
+# Celery's DjangoTask without the inbox's part: the purge keeps no inbox row of its
+# own (it was OutboxTask with inbox=False, whose ordering part it never used).
+@shared_task(name="celery_outbox.inbox.purge", ignore_result=True, base=DjangoTask)
 def purge(chunk: int = PURGE_CHUNK) -> dict[str, Any]:
     """Delete inbox rows older than the retention; returns ``{"deleted", "retention_seconds"}``."""
     settings = get_settings()

@@ -1,13 +1,20 @@
-"""The package's layers hold: no module imports from a layer above its own.
+"""The package's layers hold: no module imports from a layer above its own, and no
+rooms import each other around a circle.
 
 Every import counts, at module level, inside a function or under ``TYPE_CHECKING``.
 The map is the one ``docs/explanation.md`` draws ("Layers"); an import that has to go
-upward for now is listed in :data:`ALLOWED` with its reason.
+upward for now is listed in :data:`ALLOWED` with its reason. The rooms of a folder
+are the modules and folders right below it (in ``celery_outbox``: ``task``,
+``events``, ...; in ``celery_outbox.events``: ``delivery``, ``registry``, ...), in the
+package and in ``bench/``; an import that closes a circle for now is listed in
+:data:`ALLOWED_CIRCLES` with its reason.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -136,8 +143,10 @@ def place(module: str) -> str | None:
     return None
 
 
-def imports_of(path: Path, root: Path = ROOT) -> Iterator[Import]:
-    """Every import of the package's own modules in ``path``, wherever it is written."""
+def imports_of(
+    path: Path, root: Path = ROOT, top: str = "celery_outbox"
+) -> Iterator[Import]:
+    """Every import of ``top``'s own modules in ``path``, wherever it is written."""
     importer = module_name(path, root)
     package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -158,7 +167,7 @@ def imports_of(path: Path, root: Path = ROOT) -> Iterator[Import]:
         else:
             continue
         for target in targets:
-            if target == "celery_outbox" or target.startswith("celery_outbox."):
+            if target == top or target.startswith(f"{top}."):
                 yield Import(path, node.lineno, importer, target)
 
 
@@ -247,3 +256,283 @@ def test_the_explanation_draws_every_entry_of_the_map() -> None:
         if name != "celery_outbox" and name.removeprefix("celery_outbox.") not in drawn
     ]
     assert missing == [], f"not on the map in docs/explanation.md: {missing}"
+
+
+# -- circles -------------------------------------------------------------------
+
+#: The trees whose folders hold no circle: the package, and the benchmark beside it.
+TREES = (PACKAGE, ROOT / "bench")
+
+#: Imports that close a circle between rooms for now, each with its reason:
+#: (importer, imported module) -> why. They are left out of the graph, so a new
+#: circle fails the test, and so does any other import along the same way. Each
+#: is one of the upward imports of issue #47, whose value or hook moves down (or
+#: whose old spelling goes) when it is mended; then its entry goes too
+#: (test_every_allowed_circle_still_closes_one says when).
+ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
+    # Values every layer needs, still in the lanes' folders (flow.core, ordering.core
+    # and ordering.options): settings, the engine and the stores import them there.
+    ("celery_outbox.conf", "celery_outbox.flow.core"): "settings build Flow values",
+    ("celery_outbox.engine.gate", "celery_outbox.flow.core"): "the gate's Admission",
+    ("celery_outbox.engine.gate", "celery_outbox.ordering.core"): "the head rule",
+    ("celery_outbox.engine.endings", "celery_outbox.flow.core"): "flows' settlement",
+    ("celery_outbox.engine.endings", "celery_outbox.ordering.core"): "keys' settlement",
+    ("celery_outbox.engine.endings", "celery_outbox.ordering.options"): "policies",
+    ("celery_outbox.store.ordering", "celery_outbox.ordering.core"): "the head rule",
+    ("celery_outbox.store.ordering", "celery_outbox.ordering.options"): "policies",
+    ("celery_outbox.store.protocol", "celery_outbox.ordering.options"): "policies",
+    ("celery_outbox.flow.worker", "celery_outbox.ordering.core"): "keys' settlement",
+    # The engine's reporter and heartbeat name the stores they write through.
+    ("celery_outbox.engine.reports", "celery_outbox.store"): "the reporter's stores",
+    ("celery_outbox.engine.heartbeat", "celery_outbox.store.protocol"): "its store",
+    # The flow gate and its admin reach the stores from the lanes' folder.
+    ("celery_outbox.flow.gate", "celery_outbox.store.protocol"): "the gate's store",
+    ("celery_outbox.flow.admin", "celery_outbox.store"): "the admin's store",
+    # Observers read the relay's observations instead of subscribing to them, and
+    # the relay's runner and on-commit publisher reach up for them and for the app.
+    ("celery_outbox.contrib.otel", "celery_outbox.relay.observations"): "OpenTelemetry",
+    ("celery_outbox.contrib.sentry", "celery_outbox.relay.observations"): "Sentry",
+    ("celery_outbox.relay.runner", "celery_outbox.metrics"): "the runner's metrics",
+    ("celery_outbox.relay.runner", "celery_outbox.signals"): "the runner's signals",
+    ("celery_outbox.relay.oncommit", "celery_outbox.signals"): "on-commit signals",
+    ("celery_outbox.relay.runner", "celery_outbox.app"): "the runner's app",
+    # Lanes reach up for the app instead of being handed it.
+    ("celery_outbox.events.commands", "celery_outbox.app"): "events' commands",
+    ("celery_outbox.inbox.checks", "celery_outbox.app"): "the inbox's checks",
+    # The old spellings InboxTask and OrderedTask return the composed OutboxTask
+    # (celery_outbox.task), which composes these modules' parts; they go with the
+    # other old spellings (#47), and these entries with them.
+    ("celery_outbox.inbox.task", "celery_outbox.task"): "deprecated InboxTask",
+    ("celery_outbox.ordering.task", "celery_outbox.task"): "deprecated OrderedTask",
+}
+
+
+def room(module: str, folder: str) -> str:
+    """The room of ``module`` in ``folder``: the module or folder right below it.
+
+    In ``celery_outbox``, ``celery_outbox.events.held`` is in ``celery_outbox.events``;
+    in ``celery_outbox.events``, it is its own room. A folder's ``__init__`` is the
+    folder's own room.
+    """
+    depth = len(folder.split(".")) + 1
+    return ".".join(module.split(".")[:depth])
+
+
+def folders() -> list[str]:
+    """Every folder of the trees (a package with an ``__init__.py``), by module name."""
+    return sorted(
+        module_name(init) for tree in TREES for init in tree.rglob("__init__.py")
+    )
+
+
+def room_graph(
+    folder: str, paths: list[Path], root: Path = ROOT
+) -> dict[str, dict[str, list[Import]]]:
+    """Which room of ``folder`` imports which, and by which imports."""
+    top = folder.split(".")[0]
+    graph: dict[str, dict[str, list[Import]]] = {}
+    for path in paths:
+        for found in imports_of(path, root, top):
+            inside = (found.importer, found.imported)
+            if not all(m == folder or m.startswith(f"{folder}.") for m in inside):
+                continue
+            importer, imported = (
+                room(found.importer, folder),
+                room(found.imported, folder),
+            )
+            if importer != imported:
+                graph.setdefault(importer, {}).setdefault(imported, []).append(found)
+    return graph
+
+
+def knots(graph: dict[str, dict[str, list[Import]]]) -> list[list[str]]:
+    """The rooms that import each other around a circle, in groups (Tarjan's)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for other in graph.get(node, {}):
+            if other not in order:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], order[other])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return sorted(found)
+
+
+def circle_in(knot: list[str], graph: dict[str, dict[str, list[Import]]]) -> list[str]:
+    """The shortest circle from the knot's first room back to it: ``[a, b, ..., a]``."""
+    start = knot[0]
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for other in sorted(graph.get(node, {})):
+                if other == start:
+                    back = [node]
+                    while back[-1] != start:
+                        back.append(came_from[back[-1]])
+                    return [*reversed(back), start]
+                if other in knot and other not in came_from:
+                    came_from[other] = node
+                    following.append(other)
+        frontier = following
+    raise AssertionError(f"no circle in {knot}")  # pragma: no cover
+
+
+def circles(folder: str, paths: list[Path], root: Path = ROOT) -> list[str]:
+    """Each circle between the rooms of ``folder``, told with the imports that make it."""
+    graph = {
+        importer: kept
+        for importer, rooms in room_graph(folder, paths, root).items()
+        if (kept := without_allowed(rooms))
+    }
+    told = []
+    for knot in knots(graph):
+        circle = circle_in(knot, graph)
+        steps = []
+        for importer, imported in itertools.pairwise(circle):
+            first = graph[importer][imported][0]
+            steps.append(
+                f"  {importer} -> {imported} "
+                f"({first.path.relative_to(root)}:{first.line} imports {first.imported})"
+            )
+        told.append(
+            f"{' -> '.join(circle)} (a knot of {len(knot)} rooms: {', '.join(knot)}):\n"
+            + "\n".join(steps)
+        )
+    return told
+
+
+def paths_of(folder: str, root: Path = ROOT) -> list[Path]:
+    return sorted((root / Path(*folder.split("."))).rglob("*.py"))
+
+
+@functools.cache
+def package_graph(folder: str) -> dict[str, dict[str, list[Import]]]:
+    """The rooms of ``folder`` in this repository, read once."""
+    return room_graph(folder, paths_of(folder))
+
+
+@pytest.mark.parametrize("folder", folders())
+def test_no_circle_between_the_rooms_of_a_folder(folder: str) -> None:
+    found = circles(folder, paths_of(folder))
+    assert found == [], (
+        f"rooms of {folder} (its modules and folders) that import each other around "
+        f"a circle:\n" + "\n".join(found) + "\nBreak each circle: move what both need "
+        "down into the lower one (a value, or a protocol the upper one fulfils), let "
+        "the lower one offer a hook that the upper one registers with, or compose "
+        "the two where they are used. An import inside a function or under "
+        "TYPE_CHECKING is still an import. Or list the import in ALLOWED_CIRCLES "
+        "with the reason."
+    )
+
+
+def without_allowed(rooms: dict[str, list[Import]]) -> dict[str, list[Import]]:
+    """The imports to other rooms, less :data:`ALLOWED_CIRCLES`; rooms left empty go."""
+    kept = {
+        imported: [i for i in found if (i.importer, i.imported) not in ALLOWED_CIRCLES]
+        for imported, found in rooms.items()
+    }
+    return {imported: found for imported, found in kept.items() if found}
+
+
+def shared_folder(one: str, other: str) -> str:
+    """The innermost folder that holds both modules."""
+    shared = []
+    for mine, theirs in zip(one.split("."), other.split("."), strict=False):
+        if mine != theirs:
+            break
+        shared.append(mine)
+    return ".".join(shared)
+
+
+def test_every_allowed_circle_still_closes_one() -> None:
+    # An entry whose import is gone, or no longer closes a circle, would let a new
+    # circle through unnoticed: remove it.
+    stale = []
+    for importer, imported in ALLOWED_CIRCLES:
+        folder = shared_folder(importer, imported)
+        graph = package_graph(folder)
+        ends = room(importer, folder), room(imported, folder)
+        exists = any(
+            (i.importer, i.imported) == (importer, imported)
+            for i in graph.get(ends[0], {}).get(ends[1], [])
+        )
+        if not exists or not any(set(ends) <= set(knot) for knot in knots(graph)):
+            stale.append((importer, imported))
+    assert stale == [], f"ALLOWED_CIRCLES entries that close no circle: {stale}"
+
+
+#: Deliberate circles: (file, source) pairs written under a tmp_path tree, and the
+#: circle the test must find in the folder, told from its first room.
+DELIBERATE = {
+    "between two rooms, one import in a function": (
+        {
+            "celery_outbox/__init__.py": "",
+            "celery_outbox/states.py": "from .store.types import Claimed\n",
+            "celery_outbox/store/__init__.py": "",
+            "celery_outbox/store/types.py": (
+                "def claimed():\n    from ..states import State\n"
+            ),
+        },
+        "celery_outbox",
+        ["celery_outbox.states", "celery_outbox.store", "celery_outbox.states"],
+    ),
+    "inside a folder, one import under TYPE_CHECKING": (
+        {
+            "celery_outbox/__init__.py": "",
+            "celery_outbox/events/__init__.py": "",
+            "celery_outbox/events/delivery.py": "from . import held\n",
+            "celery_outbox/events/held.py": "from .registry import Registry\n",
+            "celery_outbox/events/registry.py": (
+                "import typing\nif typing.TYPE_CHECKING:\n"
+                "    from celery_outbox.events.delivery import deliver\n"
+            ),
+        },
+        "celery_outbox.events",
+        [
+            "celery_outbox.events.delivery",
+            "celery_outbox.events.held",
+            "celery_outbox.events.registry",
+            "celery_outbox.events.delivery",
+        ],
+    ),
+    "in bench/, through the driver": (
+        {
+            "bench/__init__.py": "",
+            "bench/run.py": "def main():\n    from bench.inbox import bench_inbox\n",
+            "bench/inbox.py": "from bench.run import BenchError\n",
+        },
+        "bench",
+        ["bench.inbox", "bench.run", "bench.inbox"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DELIBERATE)
+def test_a_deliberate_circle_is_found(case: str, tmp_path: Path) -> None:
+    files, folder, circle = DELIBERATE[case]
+    for name, source in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    (found,) = circles(folder, paths_of(folder, tmp_path), tmp_path)
+    assert found.startswith(f"{' -> '.join(circle)} ("), found
