@@ -16,7 +16,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, OutputWrapper
 
-from .durations import parse_duration, parse_moment
+from .durations import parse_moment
 from .progress import ProgressBar
 from .store import DeadLetterFilter, OperatorStore, Summary, TopFailures
 
@@ -333,40 +333,6 @@ class PurgeRequest:
     task: str | None = None
     dry_run: bool = False
     chunk_size: int = 1000
-
-    @classmethod
-    def parse(
-        cls,
-        *,
-        older_than: str | None,
-        retention: float | None,
-        task: str | None,
-        dry_run: bool,
-        chunk_size: int,
-        everything: bool = False,
-    ) -> PurgeRequest:
-        """``--all``, or ``--older-than``, or else the retention setting; else refuse."""
-        if everything:
-            if older_than is not None:
-                raise CommandError("purge: --all cannot be combined with --older-than")
-            if task is not None and not task.strip():
-                raise CommandError("purge: --task needs a task name or glob")
-            return cls(0.0, task, dry_run, chunk_size)
-        if older_than is None:
-            if retention is None:
-                raise CommandError(
-                    "purge: give --older-than (e.g. 7d), --all, or set "
-                    "CELERY_OUTBOX_DEAD_LETTER_RETENTION"
-                )
-            seconds = retention
-        else:
-            try:
-                seconds = parse_duration(older_than)
-            except ValueError as exc:
-                raise CommandError(f"--older-than: {exc}") from None
-        if task is not None and not task.strip():
-            raise CommandError("purge: --task needs a task name or glob")
-        return cls(seconds, task, dry_run, chunk_size)
 
 
 def purge(store: OperatorStore, request: PurgeRequest) -> str:

@@ -172,7 +172,7 @@ def outbox_stats() -> dict[str, Any]:
     from django.core.management import call_command
 
     out = io.StringIO()
-    call_command("outbox", "stats", "--format", "json", stdout=out)
+    call_command("outbox", "tasks", "stats", "--format", "json", stdout=out)
     return dict(json.loads(out.getvalue()))
 
 

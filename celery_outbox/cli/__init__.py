@@ -3,6 +3,5 @@
 :mod:`.grammar` builds the parser and runs what it parsed; :mod:`.selectors` and
 :mod:`.options` hold the flags every lane shares; one module per lane (:mod:`.tasks`,
 :mod:`.ordering`, :mod:`.handlers`, :mod:`.events`) and the processes (:mod:`.relay`)
-parse, build a request and call the lane's operation; :mod:`.deprecated` keeps the
-spellings of 0.1 working, with a warning naming the new one.
+parse, build a request and call the lane's operation.
 """

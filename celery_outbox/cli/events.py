@@ -18,7 +18,7 @@ HELP = (
 )
 
 
-def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
+def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
     """Add ``events``'s flags and verbs to its parser."""
     add_service_arguments(lane)
     verbs = lane.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -39,7 +39,14 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
     add_top(stats, "fullest queues")
     stats.set_defaults(run=run)
     inspect = verbs.add_parser("inspect", help="Print archived events.", **kwargs)
-    add_inspect_arguments(inspect)
+    inspect.add_argument(
+        "--limit",
+        type=positive(int),
+        default=100,
+        metavar="N",
+        help="Print at most N (default: 100).",
+    )
+    inspect.set_defaults(run=run)
     replay = verbs.add_parser(
         "replay", help="Put archived events back into their queues.", **kwargs
     )
@@ -57,7 +64,6 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
         dry_run="Only count.",
     )
     purge.set_defaults(run=run)
-    return verbs
 
 
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,18 +80,6 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="Act on this service's archive (default: the app's name).",
     )
-
-
-def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    """``inspect``'s flags (the old ``archive list`` shares them)."""
-    parser.add_argument(
-        "--limit",
-        type=positive(int),
-        default=100,
-        metavar="N",
-        help="Print at most N (default: 100).",
-    )
-    parser.set_defaults(run=run)
 
 
 def run(options: dict[str, Any], streams: Streams) -> None:

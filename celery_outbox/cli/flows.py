@@ -29,7 +29,7 @@ from .options import Streams, add_format
 HELP = "Flow control: each flow's rows waiting, recent publishes, rates and limits."
 
 
-def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
+def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
     """Add ``flows``'s verbs to its parser."""
     verbs = lane.add_subparsers(dest="verb", required=True, metavar="VERB")
     stats = verbs.add_parser(
@@ -75,7 +75,6 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
             help=f"At most N tasks of a key {what} (N >= 1).",
         )
     limit.set_defaults(run=run_limit)
-    return verbs
 
 
 def _change_verb(

@@ -1,7 +1,7 @@
 """The ``outbox`` parser: ``outbox <lane> <verb>``, plus the processes; and its dispatch.
 
 Every parser a verb ends on sets ``run``, the function that does its work, as a
-default: dispatching is calling it (old spellings set a ``run`` that warns first).
+default: dispatching is calling it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from ..exceptions import OutboxValueError
 from ..text import check_text
-from . import deprecated, events, flows, handlers, ordering, tasks
+from . import events, flows, handlers, ordering, tasks
 from .exits import ExitStatus
 from .options import Streams
 from .relay import add_relay, run_health
@@ -42,7 +42,7 @@ DESCRIPTION = (
 
 
 def build(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
-    """Add every command, lane and verb (and the old spellings, unlisted)."""
+    """Add every command, lane and verb."""
     commands = parser.add_subparsers(
         dest="command",
         required=True,
@@ -71,9 +71,7 @@ def build(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
             f"'outbox {name} <verb> --help' lists a verb's flags.",
             **kwargs,
         )
-        verbs = lane.add(parser, kwargs)
-        deprecated.add_to_lane(name, parser, verbs, kwargs)
-    deprecated.add(commands, kwargs)
+        lane.add(parser, kwargs)
 
 
 def dispatch(options: dict[str, Any], out: Any, err: Any) -> None:

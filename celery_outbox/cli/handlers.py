@@ -29,9 +29,9 @@ HELP = "Handler outboxes: run their receivers, their backlog, dead letters, paus
 REPLAY_CHUNK = 500
 
 
-def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
+def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
     """Add ``handlers``'s verbs to its parser."""
-    verbs = lane.add_subparsers(dest="verb", metavar="VERB")
+    verbs = lane.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = verbs.add_parser(
         "run", help="Run the receivers of the handler outboxes (no broker).", **kwargs
     )
@@ -39,7 +39,10 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
     stats = verbs.add_parser(
         "stats", help="Print the backlog, blocked and paused shards.", **kwargs
     )
-    add_stats_arguments(stats)
+    add_format(stats)
+    add_top(stats, "deepest and blocked shards")
+    add_databases(stats)
+    stats.set_defaults(run=run_stats)
     replay = verbs.add_parser(
         "replay", help="Write dead letters back at the end of their shards.", **kwargs
     )
@@ -59,19 +62,14 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
             verb, help=f"{text} a category or a shard, at runtime.", **kwargs
         )
         add_switch_arguments(parser, verb)
-    return verbs
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, *, hidden: bool = False) -> None:
-    """``run``'s flags (the old bare ``outbox handlers`` takes them, ``hidden``)."""
-
-    def shown(text: str) -> str:
-        return argparse.SUPPRESS if hidden else text
-
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``run``'s flags."""
     parser.add_argument(
         "--until-empty",
         action="store_true",
-        help=shown(
+        help=(
             "Exit once no shard is due: 0 when no message is left, 1 when some wait "
             "unrun (a failing receiver's shard backing off) or a database did not "
             "answer, 3 when only a pause holds them."
@@ -82,45 +80,30 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, hidden: bool = False) 
         type=positive(float),
         default=None,
         metavar="SECONDS",
-        help=shown(
-            "How long a shard's lease lasts (CELERY_OUTBOX_HANDLER_LEASE_SECONDS)."
-        ),
+        help="How long a shard's lease lasts (CELERY_OUTBOX_HANDLER_LEASE_SECONDS).",
     )
     parser.add_argument(
         "--poll-interval",
         type=positive(float),
         default=None,
         metavar="SECONDS",
-        help=shown("Longest wait between two looks for due shards."),
+        help="Longest wait between two looks for due shards.",
     )
     parser.add_argument(
         "--liveness-file",
         default=None,
         metavar="PATH",
-        help=shown("Touch this file while the processor runs (a liveness probe)."),
+        help="Touch this file while the processor runs (a liveness probe).",
     )
     parser.add_argument(
         "--metrics-port",
         type=positive(int),
         default=None,
         metavar="PORT",
-        help=shown("Serve Prometheus metrics on this port (needs prometheus_client)."),
+        help="Serve Prometheus metrics on this port (needs prometheus_client).",
     )
-    if hidden:
-        parser.add_argument(
-            "--database", action="append", default=None, help=argparse.SUPPRESS
-        )
-    else:
-        add_databases(parser)
-        parser.set_defaults(run=run_processor)
-
-
-def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
-    """``stats``'s flags."""
-    add_format(parser)
-    add_top(parser, "deepest and blocked shards")
     add_databases(parser)
-    parser.set_defaults(run=run_stats)
+    parser.set_defaults(run=run_processor)
 
 
 def add_switch_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
@@ -171,7 +154,7 @@ def run_replay(options: dict[str, Any], streams: Streams) -> None:
             ids=ids or None,
             category=category,
             shard=shard,
-            chunk=options.get("chunk_size", REPLAY_CHUNK),  # old spelling: none
+            chunk=options["chunk_size"],
             dry_run=selection.dry_run,
             write=streams.line,
         ):

@@ -21,13 +21,15 @@ HELP = "Ordered keys: their backlog and their blocked heads."
 _OFFERED = "--key KEY, --name GLOB"
 
 
-def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
+def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
     """Add ``ordering``'s verbs to its parser."""
     verbs = lane.add_subparsers(dest="verb", required=True, metavar="VERB")
     stats = verbs.add_parser(
         "stats", help="Print keys waiting, blocked heads, the deepest keys.", **kwargs
     )
-    add_stats_arguments(stats)
+    add_format(stats)
+    add_top(stats, "deepest keys")
+    stats.set_defaults(run=run_stats)
     for verb, text in (
         ("retry", "Publish blocked heads again, with fresh attempts."),
         (
@@ -43,14 +45,6 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
                 "--delete", action="store_true", help="Delete them, no dead letter."
             )
         parser.set_defaults(run=run_heads)
-    return verbs
-
-
-def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
-    """``stats``'s own flags."""
-    add_format(parser)
-    add_top(parser, "deepest keys")
-    parser.set_defaults(run=run_stats)
 
 
 def add_head_selectors(parser: argparse.ArgumentParser) -> None:

@@ -15,13 +15,24 @@ from .selectors import Selection, add_selectors
 HELP = "Plain tasks: the outbox's backlog and its dead letters."
 
 
-def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
+def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
     """Add ``tasks``'s verbs to its parser."""
     verbs = lane.add_subparsers(dest="verb", required=True, metavar="VERB")
     stats = verbs.add_parser(
         "stats", help="Print the backlog and the failing task names.", **kwargs
     )
-    add_stats_arguments(stats)
+    add_format(stats, "prometheus")
+    add_top(stats, "task names that fail most (retrying and dead)")
+    stats.add_argument(
+        "--watch",
+        type=positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="Print again every SECONDS until Ctrl-C.",
+    )
+    stats.add_argument(
+        "--iterations", type=positive(int), default=None, help=argparse.SUPPRESS
+    )
     stats.set_defaults(run=run_stats)
     inspect = verbs.add_parser(
         "inspect",
@@ -30,7 +41,9 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
         "asks workers.",
         **kwargs,
     )
-    add_inspect_arguments(inspect)
+    inspect.add_argument("task_id", help="The task id (AsyncResult.id).")
+    add_format(inspect)
+    inspect.set_defaults(run=run_inspect)
     replay = verbs.add_parser(
         "replay",
         help="Put dead letters back into the outbox (same message, attempts reset, "
@@ -58,30 +71,6 @@ def add(lane: argparse.ArgumentParser, kwargs: dict[str, Any]) -> Any:
         chunk_size=1000,
     )
     purge.set_defaults(run=run_purge)
-    return verbs
-
-
-def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
-    """``stats``'s own flags (the old ``outbox stats`` shares them)."""
-    add_format(parser, "prometheus")
-    add_top(parser, "task names that fail most (retrying and dead)")
-    parser.add_argument(
-        "--watch",
-        type=positive(float),
-        default=None,
-        metavar="SECONDS",
-        help="Print again every SECONDS until Ctrl-C.",
-    )
-    parser.add_argument(
-        "--iterations", type=positive(int), default=None, help=argparse.SUPPRESS
-    )
-
-
-def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    """``inspect``'s own arguments (the old ``outbox inspect`` shares them)."""
-    parser.add_argument("task_id", help="The task id (AsyncResult.id).")
-    add_format(parser)
-    parser.set_defaults(run=run_inspect)
 
 
 def run_stats(options: dict[str, Any], streams: Streams) -> None:

@@ -124,8 +124,8 @@ def _held_archive(topology: ServiceTopology) -> _Archive:
     )
 
 
-#: The verbs that act on the archive (``count`` is the old ``archive count``).
-_ARCHIVE = ("count", "inspect", "replay", "purge")
+#: The verbs that act on the archive.
+_ARCHIVE = ("inspect", "replay", "purge")
 
 
 def _stats(
@@ -153,9 +153,7 @@ def _stats(
 
 def _archive_command(target: _Archive, options: dict[str, Any], out: Output) -> None:
     command = options["verb"]
-    if command == "count":
-        out.write(f"{target.count()}\n")
-    elif command == "inspect":
+    if command == "inspect":
         for each in target.listing(options["limit"]):
             _write_archived(out, each)
     elif command == "purge":

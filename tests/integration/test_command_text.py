@@ -16,7 +16,7 @@ from django.core.management import CommandError, call_command
 from django.core.management.base import BaseCommand
 
 from celery_outbox.cli.exits import ExitStatus
-from celery_outbox.management.commands import outbox, outbox_ordering
+from celery_outbox.management.commands import outbox
 
 #: What ``os.fsdecode`` makes of the byte 0xff on a command line.
 NOT_UTF8 = "\udcff"
@@ -65,21 +65,17 @@ def argv_with(parser: argparse.ArgumentParser, bad: str) -> list[str]:
 
 
 def every_verb() -> list[tuple[str, ...]]:
-    found = []
-    for name, module in (("outbox", outbox), ("outbox_ordering", outbox_ordering)):
-        parser = module.Command().create_parser("manage.py", name)
-        for path, verb in verbs(parser, (name,)):
-            found.append((*path, *argv_with(verb, NOT_UTF8)))
-    return found
+    parser = outbox.Command().create_parser("manage.py", "outbox")
+    return [
+        (*path, *argv_with(verb, NOT_UTF8)) for path, verb in verbs(parser, ("outbox",))
+    ]
 
 
 @pytest.mark.parametrize("argv", every_verb(), ids=" ".join)
 def test_every_verb_refuses_bytes_that_are_not_utf8_in_one_line(
     argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    command: BaseCommand = (
-        outbox.Command() if argv[0] == "outbox" else outbox_ordering.Command()
-    )
+    command: BaseCommand = outbox.Command()
     with pytest.raises(SystemExit) as exited:
         command.run_from_argv(["manage.py", *argv])
     assert exited.value.code == ExitStatus.USAGE

@@ -121,13 +121,7 @@ def test_a_purge_deletes_only_dead_letters_older_than_asked() -> None:
     outbox.drain()
 
     def run(dry_run: bool) -> str:
-        request = PurgeRequest.parse(
-            older_than="1h",
-            retention=None,
-            task=None,
-            dry_run=dry_run,
-            chunk_size=1000,
-        )
+        request = PurgeRequest(3600.0, dry_run=dry_run, chunk_size=1000)
         return purge(outbox.operator, request)
 
     assert run(dry_run=True) == "would delete 1 dead letter(s) older than 1h (dry run)"

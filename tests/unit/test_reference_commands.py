@@ -2,7 +2,7 @@
 
 Every command, lane and verb the help lists has its ``### `outbox ...``` heading, and
 every flag it takes has a line in that heading's table; nothing documented there is
-missing from the parser. Old spellings (unlisted in the help) are left out.
+missing from the parser. The spellings of 0.1, removed in 0.2, are refused.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from django.core.management import CommandError, call_command
 
+from celery_outbox.cli.exits import ExitStatus
 from celery_outbox.management.commands.outbox import Command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,3 +92,38 @@ def test_the_help_says_which_celery_commands_these_are_not() -> None:
     top = parser().format_help()
     assert "not 'celery events'" in " ".join(top.split())
     assert "not 'celery inspect'" in " ".join(top.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["stats"], "invalid choice: 'stats'"),
+        (["inspect", "x"], "invalid choice: 'inspect'"),
+        (["replay", "--all"], "invalid choice: 'replay'"),
+        (["purge"], "invalid choice: 'purge'"),
+        (["handler-stats"], "invalid choice: 'handler-stats'"),
+        (["handler-replay", "--all"], "invalid choice: 'handler-replay'"),
+        (["pause", "--category", "c"], "invalid choice: 'pause'"),
+        (["resume", "--shard", "s"], "invalid choice: 'resume'"),
+        (["handlers", "--until-empty"], "required: VERB"),
+        (["events", "archive", "count"], "invalid choice: 'archive'"),
+        (["tasks", "replay", "--task", "x"], "unrecognized arguments: --task"),
+        (["tasks", "purge", "--older-than", "7d"], "unrecognized arguments: --older"),
+        (["handlers", "replay", "--id", "3"], "unrecognized arguments: --id"),
+        (["handlers", "replay", "--shard", "s"], "unrecognized arguments: --shard"),
+        (["events", "replay", "--event", "x"], "unrecognized arguments: --event"),
+    ],
+    ids=" ".join,
+)
+def test_a_spelling_of_0_1_is_refused_as_a_usage_error(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        Command().run_from_argv(["manage.py", "outbox", *argv])
+    assert exited.value.code == ExitStatus.USAGE
+    assert said in capsys.readouterr().err
+
+
+def test_the_0_1_command_outbox_ordering_is_unknown() -> None:
+    with pytest.raises(CommandError, match="Unknown command: 'outbox_ordering'"):
+        call_command("outbox_ordering", "stats")
