@@ -24,7 +24,6 @@ from .enqueue import (
     Route,
     choose_route,
     is_excluded,
-    outbox_alias,
 )
 from .envelope import Envelope
 from .exceptions import OutboxConfigurationError, OutboxDatabaseError
@@ -32,6 +31,7 @@ from .flow.core import KEY_HEADER, flow_of
 from .flow.worker import install as install_flow_reports
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
+from .store import outbox_alias
 from .text import check_text
 
 _instances: weakref.WeakSet[OutboxCelery] = weakref.WeakSet()
@@ -182,15 +182,6 @@ class OutboxCelery(Celery):
         return lambda function: registry_of(self).add_subscriber(
             pattern, function, **options
         )
-
-    def handler(
-        self, pattern: str, **options: Any
-    ) -> Callable[[Callable[..., Any]], Any]:
-        """Deprecated: :meth:`subscriber` (``@app.handler`` is its old name)."""
-        from .events.registry import _renamed
-
-        _renamed("@app.handler", "@app.subscriber")
-        return self.subscriber(pattern, **options)
 
     def _publish_after_commit(self, alias: str, task_ids: Sequence[str]) -> None:
         if self._outbox_commit_publisher is None:

@@ -46,7 +46,7 @@ from .queues import cached_queue_spec
 from .scheduling import schedule
 from .signals import send_created
 from .store.dedup import DedupKeys
-from .store.roles import outbox_alias as outbox_alias  # where it lived before
+from .store.roles import outbox_alias
 from .store.store import OutboxWriter, check_fits
 from .text import check_text
 

@@ -8,8 +8,7 @@ matches the event and calls it. A service's patterns may not overlap, so each co
 an event reaches exactly one of its queues and one subscriber runs it.
 
 "Subscriber" is the events' word; ``celery_outbox.handlers`` (the handler outbox) has
-receivers. The old spellings (``@app.handler``, :class:`Handler`,
-``Registry.handlers``) still work and warn.
+receivers.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..conf import get_settings
-from ..deprecation import deprecated
 from ..exceptions import OutboxConfigurationError
 from .modes import Retries, resolve, transport_of
 from .names import (
@@ -191,24 +189,6 @@ class Registry:
                 return subscriber
         return None
 
-    @property
-    def handlers(self) -> dict[str, Subscriber]:
-        """Deprecated: :attr:`subscribers`."""
-        _renamed("Registry.handlers", "Registry.subscribers")
-        return self.subscribers
-
-    def add_handler(
-        self, pattern: str, function: Callable[..., Any], **options: Any
-    ) -> Any:
-        """Deprecated: :meth:`add_subscriber`."""
-        _renamed("Registry.add_handler()", "Registry.add_subscriber()")
-        return self.add_subscriber(pattern, function, **options)
-
-    def handler_for(self, event: str) -> Subscriber | None:
-        """Deprecated: :meth:`subscriber_for`."""
-        _renamed("Registry.handler_for()", "Registry.subscriber_for()")
-        return self.subscriber_for(event)
-
     def _first_subscriber(self) -> None:
         if self._has_subscribers:
             return
@@ -243,24 +223,3 @@ def _refuse_shared_service(registry: Registry, service: str) -> None:
                 f"its queues and each get only some of the events. Give each service "
                 f"its own name: OutboxCelery('billing'), OutboxCelery('shipping')."
             )
-
-
-def _renamed(old: str, new: str, stacklevel: int = 3) -> None:
-    """Warn that ``old`` (an events name with "handler" in it) is now ``new``."""
-    deprecated(
-        old,
-        new,
-        note="Events have subscribers; 'handler' is the handler outbox's word "
-        "(celery_outbox.handlers).",
-        stacklevel=stacklevel,
-    )
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Handler":
-        _renamed(
-            "celery_outbox.events.registry.Handler",
-            "celery_outbox.events.Subscriber",
-        )
-        return Subscriber
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

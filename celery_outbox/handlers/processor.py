@@ -25,7 +25,6 @@ from typing import Any
 from django.db import connections, router
 
 from ..conf import OutboxSettings, get_settings
-from ..deprecation import deprecated
 from ..engine.heartbeat import Heartbeat, new_member_id
 from ..engine.lease import LeaseKeeper
 from ..engine.loop import Left, Loop, Pacing, Turn
@@ -119,11 +118,7 @@ class Processor:
         observers: Sequence[HandlerObserver] = (),
         random_source: Callable[[], float] = random.random,
         stores: Callable[..., HandlerLeases] = HandlerStore,
-        listeners: Sequence[HandlerObserver] | None = None,
     ) -> None:
-        if listeners is not None:
-            deprecated("Processor(listeners=...)", "Processor(observers=...)")
-            observers = listeners
         self.config = config
         #: ``stores(alias, holder=member id)``: the store of one database (SQL by
         #: default; :class:`~celery_outbox.store.handlers.MemoryHandlerStore` in tests).

@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     # Imported lazily: the app's task class is resolved before Django is set up.
-    # ``InboxTask`` (deprecated: celery_outbox.task.OutboxTask) warns in .task.
-    if name in (*__all__, "InboxTask"):
+    if name in __all__:
         from . import task
 
         return getattr(task, name)

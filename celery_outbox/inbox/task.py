@@ -6,9 +6,6 @@ A task uses the inbox when it says ``@app.task(inbox=True)``, or when
 runs, the worker opens ``transaction.atomic()`` on the inbox alias and INSERTs (task
 name, key); the body runs in that transaction and both commit together. A delivery
 whose row is already committed is skipped.
-
-``InboxTask``, the task class this module used to define, is now ``OutboxTask``: the
-old name still works and warns.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from celery.exceptions import Ignore
 from django.db import IntegrityError, OperationalError, transaction
 
 from ..conf import OutboxSettings, get_settings
-from ..deprecation import deprecated
 from ..exceptions import OutboxValueError
 from ..store import outbox_alias
 from ..text import check_text
@@ -257,16 +253,3 @@ class InboxMixin(_Base):
         else:  # given as a header: checked all the same, before anything is sent
             checked_key(self.name, headers[KEY_HEADER])
         return options
-
-
-def __getattr__(name: str) -> Any:
-    if name == "InboxTask":
-        deprecated(
-            f"{__name__}.InboxTask",
-            "celery_outbox.task.OutboxTask",
-            note="It is the app's task class, composed of the inbox and ordering parts.",
-        )
-        from ..task import OutboxTask
-
-        return OutboxTask
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ def command_error(exc: OutboxError) -> CommandError:
     """``exc`` as the command's error; an unreachable database also names its alias."""
     if not isinstance(exc, OutboxDatabaseError):
         return CommandError(str(exc))
-    from ..enqueue import outbox_alias
+    from ..store import outbox_alias
 
     alias = outbox_alias(get_settings())
     return CommandError(

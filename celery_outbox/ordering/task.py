@@ -4,9 +4,6 @@
 defaults of that task's calls that carry an ``ordering_key`` (or ``coalesce_key``);
 a call's own option wins. :class:`celery_outbox.task.OutboxTask` composes this part
 with the inbox's.
-
-``OrderedTask``, the task class this module used to define, is now ``OutboxTask``:
-the old name still works and warns.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
 
-from ..deprecation import deprecated
 from ..engine.endings import Replaced, watched_headers
 from .options import is_strict
 
@@ -99,16 +95,3 @@ def _step_taking(sig: Any, task_id: str) -> Any:
                 return found
         return None
     return sig if sig.options.get("task_id") == task_id else None
-
-
-def __getattr__(name: str) -> Any:
-    if name == "OrderedTask":
-        deprecated(
-            f"{__name__}.OrderedTask",
-            "celery_outbox.task.OutboxTask",
-            note="It is the app's task class, composed of the inbox and ordering parts.",
-        )
-        from ..task import OutboxTask
-
-        return OutboxTask
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

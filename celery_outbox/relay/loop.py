@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..broker import Publisher, describe
-from ..deprecation import deprecated
 from ..engine.gate import Gate, KeyGate
 from ..engine.heartbeat import Heartbeat
 from ..engine.loop import Left, Loop, Pacing, Turn, WakeupSource
@@ -65,12 +64,8 @@ class Relay:
         wakeup: WakeupSource | None = None,
         batch_hooks: Sequence[BatchHook] = (),
         heartbeat: Heartbeat | None = None,
-        listeners: Sequence[Observer] | None = None,
         gate: Gate | None = None,
     ) -> None:
-        if listeners is not None:
-            deprecated("Relay(listeners=...)", "Relay(observers=...)")
-            observers = listeners
         self.store = store
         self.publisher = publisher
         self.config = config

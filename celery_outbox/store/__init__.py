@@ -7,7 +7,6 @@ queries, ordered keys' heads, history, relay heartbeats, ``dedup_key`` holds.
 
 from __future__ import annotations
 
-from .deprecated import OutboxStore
 from .protocol import (
     DedupStore,
     EnqueueStore,
@@ -46,7 +45,6 @@ __all__ = [
     "HistoryStore",
     "OperatorStore",
     "OrderingStore",
-    "OutboxStore",
     "PurgeReport",
     "RegistryStore",
     "RelayStore",

@@ -163,31 +163,11 @@ def test_registry_is_per_app() -> None:
     assert registry.subscriber_for("x.z") is None
 
 
-def test_the_old_handler_spelling_still_subscribes_and_warns() -> None:
-    app = OutboxCelery("old-spelling-service", set_as_current=False)
-    with pytest.warns(DeprecationWarning, match=r"use @app\.subscriber") as caught:
-        task = app.handler("order.*", max_retries=2)(lambda order_id: None)
-    assert caught[0].filename == __file__  # points at the caller's line
-    registry = registry_of(app)
-    found = registry.subscriber_for("order.created")
+def test_a_subscriber_is_found_by_its_pattern_with_its_retries() -> None:
+    app = OutboxCelery("subscribing-service", set_as_current=False)
+    task = app.subscriber("order.*", max_retries=2)(lambda order_id: None)
+    found = registry_of(app).subscriber_for("order.created")
     assert found is not None and found.task is task and found.max_retries == 2
-    with pytest.warns(DeprecationWarning, match=r"use Registry\.subscribers"):
-        assert registry.handlers == registry.subscribers
-    with pytest.warns(DeprecationWarning, match=r"use Registry\.add_subscriber"):
-        registry.add_handler("refund.*", lambda refund_id: None)
-    with pytest.warns(DeprecationWarning, match=r"use Registry\.subscriber_for"):
-        assert registry.handler_for("refund.done") is registry.subscribers["refund.*"]
-
-
-def test_the_old_handler_class_name_still_imports_and_warns() -> None:
-    import celery_outbox.events
-    from celery_outbox.events import Subscriber
-
-    with pytest.warns(DeprecationWarning, match=r"celery_outbox\.events\.Subscriber"):
-        from celery_outbox.events import Handler  # type: ignore[attr-defined]
-    assert Handler is Subscriber
-    with pytest.warns(DeprecationWarning, match=r"celery_outbox\.events\.Subscriber"):
-        assert celery_outbox.events.registry.Handler is Subscriber  # type: ignore[attr-defined]
 
 
 class _Transport:

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from celery_outbox.engine.observations import StopReason
 from celery_outbox.exceptions import OutboxDatabaseError
 from celery_outbox.handlers.observations import MessageHandled
@@ -143,23 +141,22 @@ def test_a_dead_processors_shard_is_taken_over_by_the_heartbeat() -> None:
     assert tables.processors == {}  # the dead one taken over, the live one left
 
 
-def test_the_old_listeners_keyword_still_reaches_the_observers() -> None:
+def test_the_observers_hear_each_message_handled() -> None:
     tables = HandlerTables()
     seen: list[Any] = []
     categories = Registry()
     categories.add(Category("org", lambda **_: None))
     emit(tables, "org", "s", 1, {"n": 1})
-    with pytest.warns(DeprecationWarning, match=r"use Processor\(observers=\.\.\.\)"):
-        old = Processor(
-            ProcessorConfig(
-                databases=("memory",), until_empty=True, heartbeat_interval=None
-            ),
-            categories,
-            stores=lambda alias, holder: MemoryHandlerStore(tables, holder=holder),
-            listeners=[seen.append],
-        )
+    processor = Processor(
+        ProcessorConfig(
+            databases=("memory",), until_empty=True, heartbeat_interval=None
+        ),
+        categories,
+        stores=lambda alias, holder: MemoryHandlerStore(tables, holder=holder),
+        observers=[seen.append],
+    )
 
-    assert old.run() is StopReason.EMPTY
+    assert processor.run() is StopReason.EMPTY
 
     assert [e.action for e in seen if isinstance(e, MessageHandled)] == [Action.DELETE]
 

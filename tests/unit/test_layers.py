@@ -45,7 +45,6 @@ PLACES = {
     "celery_outbox.scheduling": "values",
     "celery_outbox.states": "values",
     "celery_outbox.text": "values",
-    "celery_outbox.deprecation": "values",
     # Ordered keys' options and head rule: values the store's claim applies.
     "celery_outbox.ordering.core": "values",
     "celery_outbox.ordering.options": "values",

@@ -201,26 +201,6 @@ def test_prefetching_on_a_second_thread_publishes_each_row_once_in_order() -> No
     assert world.store.pending() == 0
 
 
-def test_the_old_listeners_keyword_still_reaches_the_observers() -> None:
-    seen: list[RelayObservation] = []
-    world = World()
-    with pytest.warns(DeprecationWarning, match=r"use Relay\(observers=\.\.\.\)"):
-        relay = Relay(
-            world.store,
-            world.publisher,
-            world.relay.config,
-            clock=world.clock,
-            waiter=FakeWaiter(world.clock),
-            listeners=[seen.append],
-        )
-    world.enqueue("a")
-
-    relay.run_once()
-
-    assert world.published() != []
-    assert any(isinstance(event, BatchSettled) for event in seen)
-
-
 # -- until empty: a run that could not publish says so (#37) ---------------------
 
 

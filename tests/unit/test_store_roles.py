@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 from django.test import override_settings
 
-from celery_outbox.store import OutboxStore, Stores, outbox_stores
-from celery_outbox.store.ordering import OrderingQueries
-from celery_outbox.store.store import OutboxWriter, RelayQueries
+from celery_outbox.store import Stores, outbox_stores
+from celery_outbox.store.store import OutboxWriter
 
 #: Each role's own methods, by the factory's name for it. Every role object also has
 #: ``alias`` and ``reset_connection``; each that writes or reads history has
@@ -48,12 +47,3 @@ def test_each_role_object_holds_its_own_methods_and_no_others(role: str) -> None
 def test_the_enqueue_writer_resolves_no_setting() -> None:
     # The enqueue path builds one per call: it must cost no settings lookup.
     assert not hasattr(OutboxWriter("default"), "history")
-
-
-def test_the_old_one_object_store_still_works_for_a_release_with_a_warning() -> None:
-    with pytest.warns(DeprecationWarning, match=r"outbox_stores\(\).*\.ordering\(\)"):
-        store = OutboxStore("default", holder="x", history=False)
-    assert isinstance(store, RelayQueries) and isinstance(store, OrderingQueries)
-    # Every method it had; events never were part of it.
-    kept = {name for role, names in ROLES.items() if role != "events" for name in names}
-    assert {name for name in kept if not hasattr(store, name)} == set()

@@ -74,23 +74,7 @@ def test_each_part_adds_its_options_whatever_the_order_of_the_parts(
         ("celery_outbox.ordering.task", "OrderedTask"),
     ],
 )
-def test_the_old_names_of_the_task_class_still_work_and_warn(
-    module: str, name: str
-) -> None:
-    with pytest.warns(DeprecationWarning, match=r"use celery_outbox\.task\.OutboxTask"):
-        old = getattr(importlib.import_module(module), name)
-    assert old is OutboxTask
-
-
-def test_an_app_naming_the_old_class_in_task_cls_gets_the_same_class() -> None:
-    app = OutboxCelery(
-        "old-task-cls",
-        set_as_current=False,
-        task_cls="celery_outbox.ordering.task:OrderedTask",
-    )
-    with pytest.warns(DeprecationWarning, match="OrderedTask is deprecated"):
-
-        @app.task(name="old-task-cls.noop")
-        def noop() -> None: ...
-
-        assert isinstance(noop, OutboxTask)
+def test_the_0_1_names_of_the_task_class_are_gone(module: str, name: str) -> None:
+    # 0.2 removed them: celery_outbox.task.OutboxTask is the one task class.
+    with pytest.raises(AttributeError, match=name):
+        getattr(importlib.import_module(module), name)
