@@ -3,8 +3,7 @@
 E001 settings invalid · E002 outbox alias not in DATABASES · E003 unsupported vendor ·
 E004 Celery app missing or not an OutboxCelery · E005 redactor not importable/callable ·
 W001 SQLite (one relay) · W002 publisher confirms off · W003 outbox tables missing ·
-W004 migrations not applied · W005 business models routed to another alias ·
-W006 a setting this version no longer reads.
+W004 migrations not applied · W005 business models routed to another alias.
 """
 
 from __future__ import annotations
@@ -13,11 +12,10 @@ import sys
 from typing import Any
 
 from django.apps import apps as django_apps
-from django.conf import settings as django_settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
-from .conf import PREFIX, REMOVED, get_settings
+from .conf import get_settings
 from .exceptions import OutboxConfigurationError
 
 
@@ -68,22 +66,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     return messages
-
-
-@register("celery_outbox")
-def check_removed_settings(
-    app_configs: Any = None, **kwargs: Any
-) -> list[CheckMessage]:
-    """Settings an earlier version read, which this one ignores."""
-    return [
-        Warning(
-            f"{PREFIX}{name} is no longer read.",
-            hint=advice[0].upper() + advice[1:] + ".",
-            id="celery_outbox.W006",
-        )
-        for name, advice in REMOVED.items()
-        if hasattr(django_settings, PREFIX + name)
-    ]
 
 
 def _outbox_alias_or_none() -> str | None:

@@ -158,12 +158,6 @@ _CHOICES = {
     "events_retries": ("auto", "broker", "database"),
 }
 
-#: Settings that earlier versions read and this one ignores, with what to do instead.
-#: Django's system checks (``manage.py check``) warn about each one that is set.
-REMOVED = {
-    "FAST_ENQUEUE": "every call is now built by Celery itself (0.2.0); delete the setting",
-}
-
 
 def _positive(name: str, value: Any, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -372,7 +366,8 @@ def _validated(field: str, value: Any) -> Any:
 
 
 def _unknown(key: str) -> str:
-    """The message for a ``CELERY_OUTBOX_*`` name no version reads, with a close match."""
+    """The message for a ``CELERY_OUTBOX_*`` name this version does not read (a typo,
+    or a setting an earlier version read), with a close match."""
     known = [PREFIX + name for name in _FIELDS]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     hint = (
@@ -380,7 +375,7 @@ def _unknown(key: str) -> str:
         if close
         else f" Known settings: {', '.join(known)}."
     )
-    return f"Unknown setting {key}.{hint}"
+    return f"Unknown setting {key}: correct its name, or delete it.{hint}"
 
 
 def load_settings(source: Any = django_settings) -> OutboxSettings:
@@ -396,7 +391,7 @@ def load_settings(source: Any = django_settings) -> OutboxSettings:
     problems: list[str] = []
     for key in dir(source):
         name = key[len(PREFIX) :]
-        if key.startswith(PREFIX) and name not in _FIELDS and name not in REMOVED:
+        if key.startswith(PREFIX) and name not in _FIELDS:
             problems.append(_unknown(key))
     values: dict[str, Any] = {}
     for field, value in raw.items():

@@ -62,6 +62,8 @@ def test_values_are_read_and_typed() -> None:
         ({"APP": ""}, "CELERY_OUTBOX_APP must be a non-empty string"),
         ({"RETRY_BASE_SECONDS": 60, "RETRY_MAX_SECONDS": 10}, "must not be smaller"),
         ({"BATCHSIZE": 10}, "Unknown setting CELERY_OUTBOX_BATCHSIZE"),
+        # A setting of 0.1 that 0.2 no longer reads is refused, not ignored.
+        ({"FAST_ENQUEUE": True}, "Unknown setting CELERY_OUTBOX_FAST_ENQUEUE: correct"),
     ],
 )
 def test_bad_settings_are_refused_with_a_clear_message(
@@ -71,18 +73,18 @@ def test_bad_settings_are_refused_with_a_clear_message(
         load_settings(settings(**values))
 
 
-def test_a_removed_setting_is_ignored_and_named_by_the_system_checks() -> None:
+def test_a_setting_of_0_1_still_set_fails_the_system_check() -> None:
     from django.test import override_settings
 
-    from celery_outbox.checks import check_removed_settings
+    from celery_outbox.checks import check_settings
 
-    assert load_settings(settings(FAST_ENQUEUE=True)) == load_settings(settings())
     with override_settings(CELERY_OUTBOX_FAST_ENQUEUE=True):
-        warnings = check_removed_settings()
-    assert [w.id for w in warnings] == ["celery_outbox.W006"]
-    assert "CELERY_OUTBOX_FAST_ENQUEUE is no longer read" in warnings[0].msg
-    assert "delete the setting" in (warnings[0].hint or "")
-    assert check_removed_settings() == []
+        [error] = check_settings()
+    assert error.id == "celery_outbox.E001"
+    assert (
+        "Unknown setting CELERY_OUTBOX_FAST_ENQUEUE: correct its name, or delete it"
+        in (error.msg)
+    )
 
 
 def test_every_wrong_setting_is_reported_at_once_with_a_close_match() -> None:
@@ -93,7 +95,7 @@ def test_every_wrong_setting_is_reported_at_once_with_a_close_match() -> None:
     assert "CELERY_OUTBOX_BATCH_SIZE must be a positive int, got 0" in message
     assert "CELERY_OUTBOX_NOTIFY must be True or False, got 'yes'" in message
     assert (
-        "Unknown setting CELERY_OUTBOX_LEASE_SECOND. "
+        "Unknown setting CELERY_OUTBOX_LEASE_SECOND: correct its name, or delete it. "
         "Did you mean CELERY_OUTBOX_LEASE_SECONDS?" in message
     )
 
