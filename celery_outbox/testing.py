@@ -25,12 +25,13 @@ from kombu.serialization import dumps, loads
 
 from .broker import Budget, InMemoryPublisher, Publisher, build_publisher
 from .conf import get_settings
+from .engine.loop import Turn
 from .engine.waiter import Waiter
 from .envelope import Envelope, StoredMessage, load_json
 from .exceptions import OutboxError
 from .outcomes import Outcome, PublishResult
 from .relay.config import RelayConfig
-from .relay.loop import Cycle, Relay
+from .relay.loop import Relay
 from .relay.observations import LoopError, RelayObservation
 from .signals import send_relay_signals
 from .store import Stores, outbox_alias
@@ -509,7 +510,7 @@ class OutboxFixture:
                     "The relay failed while draining the outbox: "
                     + "; ".join(f"{e.stage}: {e.error}" for e in errors)
                 )
-            if cycle in (Cycle.EMPTY, Cycle.PAUSED):
+            if cycle in (Turn.EMPTY, Turn.PAUSED):
                 return
         raise OutboxDrainError(
             f"The outbox was still not empty after {MAX_DRAIN_BATCHES} batches."

@@ -29,10 +29,6 @@ def new_member_id() -> str:
     return uuid.uuid4().hex
 
 
-#: The relay's spelling of :func:`new_member_id`.
-new_relay_id = new_member_id
-
-
 class Heartbeat:
     """Beats for ``store.holder`` every ``interval`` seconds while the loop runs."""
 

@@ -40,10 +40,6 @@ from .observations import (
 logger = logging.getLogger("celery_outbox.relay")
 
 
-#: How one turn of the relay ended: the engine's :class:`~.engine.loop.Turn`.
-Cycle = Turn
-
-
 class Relay:
     """Moves committed outbox rows to the broker until stopped: a lane of the engine.
 
@@ -182,25 +178,25 @@ class Relay:
             # once their lease ran out.
             self._retry_settlement()
 
-    def run_once(self) -> Cycle:
+    def run_once(self) -> Turn:
         """One turn: settle what is left over, then claim, publish and settle a batch."""
         if not self.settle_leftover():
-            return Cycle.PAUSED
+            return Turn.PAUSED
         if self.breaker.is_open(self.clock()):
             self._hand_back_prefetched()
-            return Cycle.PAUSED
+            return Turn.PAUSED
         try:
             leased_at, claim = self._next_claim()
         except OutboxDatabaseError as exc:
             self._database_failed("claim", exc)
-            return Cycle.PAUSED
+            return Turn.PAUSED
         full = len(claim.messages) >= self.config.batch_size
         if full and self._prefetcher is not None and not self.stopping:
             # Busy: claim the next batch while this one goes to the broker.
             self._prefetcher.start(self.config.batch_size, self.config.lease_seconds)
         if not self.process(claim, leased_at=leased_at):
-            return Cycle.EMPTY
-        return Cycle.FULL if full else Cycle.PARTIAL
+            return Turn.EMPTY
+        return Turn.FULL if full else Turn.PARTIAL
 
     def settle_leftover(self) -> bool:
         """Retry the settlement a database error left behind; False if it failed again.

@@ -14,7 +14,7 @@ from ..broker.base import queue_depth
 from ..conf import OutboxSettings
 from ..contrib import library_in_use
 from ..contrib.logcontext import bound_log_context, structlog_available
-from ..engine.heartbeat import Heartbeat, new_relay_id
+from ..engine.heartbeat import Heartbeat, new_member_id
 from ..engine.waiter import Waiter
 from ..exceptions import OutboxDatabaseError
 from ..flow.gate import gate_for, reconcile
@@ -50,7 +50,7 @@ def build_relay(
     are added when those libraries are set up in this process.
     """
     config = RelayConfig.from_settings(settings, **overrides)
-    stores = outbox_stores(settings, holder=new_relay_id())
+    stores = outbox_stores(settings, holder=new_member_id())
     store = stores.relay()
     # Where the relay connects, logged once. A broker that is down is an outage like
     # any other; a database that is down or lacks the tables stops the relay here.

@@ -44,9 +44,10 @@ from celery_outbox import OutboxCelery
 from celery_outbox import app as outbox_app_module
 from celery_outbox.broker import build_publisher
 from celery_outbox.conf import get_settings
+from celery_outbox.engine.loop import Turn
 from celery_outbox.models import OutboxMessage
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.relay.loop import Relay
 from celery_outbox.store import outbox_stores
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -727,7 +728,7 @@ def relay_once(app: OutboxCelery, expected_rows: int) -> None:
         stores.relay(), publisher, RelayConfig.from_settings(settings, until_empty=True)
     )
     try:
-        assert relay.run_once() is Cycle.PARTIAL
+        assert relay.run_once() is Turn.PARTIAL
     finally:
         publisher.close()
     stats = stores.operator().stats()

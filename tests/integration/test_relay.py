@@ -14,12 +14,13 @@ from kombu import Connection, Queue
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.broker.amqp import AmqpPublisher
 from celery_outbox.conf import OutboxSettings
+from celery_outbox.engine.loop import Turn
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.exceptions import OutboxDatabaseError
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.observations import Idle, RelayObservation, StopReason
 from celery_outbox.store import Stores
 from celery_outbox.store.store import RelayQueries
@@ -134,16 +135,16 @@ def test_an_outage_uses_no_attempts_and_opens_the_breaker(alias: str) -> None:
     publisher = InMemoryPublisher()
     publisher.down = True
     relay = relay_for(alias, publisher, breaker_threshold=1, broker_outage_cooldown=0.3)
-    assert relay.run_once() is Cycle.PARTIAL
+    assert relay.run_once() is Turn.PARTIAL
     rows = list(
         OutboxMessage.objects.using(alias).values_list("attempts", "lease_token")
     )
     assert rows == [(0, None), (0, None)]
     assert relay.breaker.is_open(relay.clock())
-    assert relay.run_once() is Cycle.PAUSED  # claims nothing while open
+    assert relay.run_once() is Turn.PAUSED  # claims nothing while open
     publisher.down = False
     time.sleep(0.35)
-    assert relay.run_once() is Cycle.PARTIAL
+    assert relay.run_once() is Turn.PARTIAL
     assert len(publisher.published) == 2
     assert DeadLetter.objects.using(alias).count() == 0
 
@@ -162,7 +163,7 @@ def test_a_failing_listener_never_undoes_a_settlement(alias: str) -> None:
         RelayConfig.from_settings(FAST),
         observers=[broken],
     )
-    assert relay.run_once() is Cycle.PARTIAL
+    assert relay.run_once() is Turn.PARTIAL
     assert len(seen) == 1
     assert OutboxMessage.objects.using(alias).count() == 0
 

@@ -15,9 +15,9 @@ from django.db import connections, transaction
 from django.test import override_settings
 
 from celery_outbox.conf import get_settings
+from celery_outbox.engine.loop import Turn
 from celery_outbox.exceptions import OutboxConfigurationError
 from celery_outbox.models import OutboxMessage
-from celery_outbox.relay.loop import Cycle
 from celery_outbox.relay.runner import build_relay
 from celery_outbox.store import Stores
 
@@ -75,7 +75,7 @@ def test_a_broker_down_at_start_is_a_warning_and_the_relay_runs_on(
         Stores("default").writer().insert([envelope("waits")])
     with caplog.at_level(logging.INFO, logger="celery_outbox.relay"):
         relay = build_relay(get_settings(), send_timeout=2.0)
-        assert relay.run_once() is Cycle.PARTIAL  # claimed, then put back: an outage
+        assert relay.run_once() is Turn.PARTIAL  # claimed, then put back: an outage
     [probe] = [r for r in relay_lines(caplog) if "at start" in r.getMessage()]
     assert probe.levelno == logging.WARNING
     text = probe.getMessage()

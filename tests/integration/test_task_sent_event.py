@@ -30,8 +30,9 @@ from celery_outbox import OutboxCelery
 from celery_outbox import app as outbox_app_module
 from celery_outbox.broker import build_publisher
 from celery_outbox.conf import get_settings
+from celery_outbox.engine.loop import Turn
 from celery_outbox.relay.config import RelayConfig
-from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.sent import sent_event_observers
 from celery_outbox.store import outbox_stores
 
@@ -167,7 +168,7 @@ def relay_once(app: OutboxCelery, count: int) -> None:
         observers=sent_event_observers(app),
     )
     try:
-        assert relay.run_once() is Cycle.PARTIAL
+        assert relay.run_once() is Turn.PARTIAL
     finally:
         publisher.close()
     assert operator.stats().pending == 0
@@ -277,7 +278,7 @@ def publish_times(app: OutboxCelery, wanted: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     try:
         while published < wanted and time.monotonic() < deadline:
-            published += relay.run_once() is Cycle.PARTIAL
+            published += relay.run_once() is Turn.PARTIAL
             time.sleep(0.05)
     finally:
         publisher.close()

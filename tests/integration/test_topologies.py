@@ -29,8 +29,8 @@ from packaging.version import Version
 from celery_outbox import OutboxCelery
 from celery_outbox.broker import build_publisher
 from celery_outbox.conf import get_settings
+from celery_outbox.engine.loop import Turn
 from celery_outbox.models import DeadLetter, OutboxMessage
-from celery_outbox.relay.loop import Cycle
 from celery_outbox.relay.observations import StopReason
 from celery_outbox.relay.runner import build_relay
 from tests import topologies
@@ -124,7 +124,7 @@ def assert_an_unverified_certificate_is_an_outage(app: Celery, queue: str) -> No
     enqueue(app, 3)
     once = relay(app)
     try:
-        assert once.run_once() is Cycle.PARTIAL  # claimed, then put back
+        assert once.run_once() is Turn.PARTIAL  # claimed, then put back
     finally:
         once.publisher.close()
     rows = list(OutboxMessage.objects.values_list("attempts", "last_error"))
@@ -260,7 +260,7 @@ def drain(running: Any, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while OutboxMessage.objects.exists():
         assert time.monotonic() < deadline, "the outbox did not empty"
-        if running.run_once() is Cycle.PAUSED:
+        if running.run_once() is Turn.PAUSED:
             time.sleep(0.05)
 
 

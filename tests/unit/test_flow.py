@@ -18,6 +18,7 @@ from celery_outbox.checks import check_settings
 from celery_outbox.cli.flows import changed_limits
 from celery_outbox.conf import load_settings
 from celery_outbox.engine.gate import KeyGate
+from celery_outbox.engine.loop import Turn
 from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
@@ -43,7 +44,7 @@ from celery_outbox.flow.gate import FlowGate, gate_for
 from celery_outbox.outcomes import Action, Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import RetryPolicy
-from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.observations import BatchSettled, RelayObservation
 from celery_outbox.store import FlowStore
 from celery_outbox.store.memory import InMemoryStore, Tables
@@ -385,7 +386,7 @@ class RelayWorld:
         start = self.clock()
         while self.store.pending() and self.clock() - start < limit:
             turns = [relay.run_once() for relay in self.relays]
-            if all(turn is Cycle.EMPTY for turn in turns):
+            if all(turn is Turn.EMPTY for turn in turns):
                 self.clock.advance(max(self.relay.next_due(), 0.001))
             else:
                 self.clock.advance(0.001)  # a batch takes time
@@ -444,7 +445,7 @@ def test_held_rows_use_no_attempt_and_say_which_flow_holds_them() -> None:
     ids = world.store.add(
         envelope(str(i), task_name="shop.call_partner") for i in range(5)
     )
-    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.relay.run_once() is Turn.PARTIAL
     waiting = {row.id: row for row in world.store.rows}
     assert sorted(waiting) == ids[2:]
     assert {(r.attempts, r.last_error) for r in waiting.values()} == {

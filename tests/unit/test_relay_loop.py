@@ -12,12 +12,13 @@ import pytest
 
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.cli.exits import ExitStatus, exit_status
+from celery_outbox.engine.loop import Turn
 from celery_outbox.engine.observations import OBSERVER_FAILURES
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.outcomes import Outcome, PublishResult, Settlement
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import RetryPolicy
-from celery_outbox.relay.loop import Cycle, Relay
+from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.observations import (
     BatchSettled,
     BreakerOpened,
@@ -105,7 +106,7 @@ def test_a_refused_message_is_retried_with_backoff_then_dead_lettered() -> None:
     poison = world.enqueue("poison")
     good += world.enqueue("good-2")
 
-    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.relay.run_once() is Turn.PARTIAL
     assert world.published() == good  # the refusal held nothing up
     (row,) = world.store.rows
     # Retry 1 of base 1 s: a ceiling of 1 s, of which the jitter of 0.5 takes 3/4.
@@ -113,15 +114,15 @@ def test_a_refused_message_is_retried_with_backoff_then_dead_lettered() -> None:
     assert row.available_at == world.clock() + 0.75
 
     world.clock.advance(0.5)
-    assert world.relay.run_once() is Cycle.EMPTY  # not due yet
+    assert world.relay.run_once() is Turn.EMPTY  # not due yet
     world.clock.advance(0.25)
-    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.relay.run_once() is Turn.PARTIAL
     (row,) = world.store.rows
     assert row.attempts == 2
     assert row.available_at == world.clock() + 1.5  # the ceiling doubled
 
     world.clock.advance(1.5)
-    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.relay.run_once() is Turn.PARTIAL
     assert world.store.pending() == 0
     (dead,) = world.store.dead
     assert (dead.envelope.task_id, dead.attempts, dead.last_error) == (
@@ -137,7 +138,7 @@ def test_an_outage_releases_rows_without_an_attempt_and_opens_the_breaker() -> N
     sent = world.enqueue("a", "b")
     world.publisher.down = True
 
-    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.relay.run_once() is Turn.PARTIAL
     assert [(r.attempts, r.available_at) for r in world.store.rows] == [
         (0, world.clock() + POLICY.outage_cooldown)
     ] * 2
@@ -145,7 +146,7 @@ def test_an_outage_releases_rows_without_an_attempt_and_opens_the_breaker() -> N
     assert not any(isinstance(e, BreakerOpened) for e in world.events)
 
     world.clock.advance(POLICY.outage_cooldown)
-    assert world.relay.run_once() is Cycle.PARTIAL  # the second outage in a row
+    assert world.relay.run_once() is Turn.PARTIAL  # the second outage in a row
     assert [r.attempts for r in world.store.rows] == [0, 0]
     [opened] = [e for e in world.events if isinstance(e, BreakerOpened)]
     assert opened.seconds == POLICY.outage_cooldown
@@ -153,9 +154,9 @@ def test_an_outage_releases_rows_without_an_attempt_and_opens_the_breaker() -> N
 
     world.publisher.down = False
     world.clock.advance(POLICY.outage_cooldown - 1)
-    assert world.relay.run_once() is Cycle.PAUSED  # open: nothing is claimed
+    assert world.relay.run_once() is Turn.PAUSED  # open: nothing is claimed
     world.clock.advance(1)
-    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.relay.run_once() is Turn.PARTIAL
     assert world.published() == sent
     assert world.store.pending() == 0
     assert world.store.dead == ()
@@ -166,10 +167,10 @@ def test_rows_of_a_crashed_relay_are_claimed_again_once_its_lease_ends() -> None
     sent = world.enqueue("a", "b")
     crashed = world.store.claim(10, 30.0)  # and never settles
 
-    assert world.relay.run_once() is Cycle.EMPTY
+    assert world.relay.run_once() is Turn.EMPTY
     assert world.published() == []
     world.clock.advance(30.0)
-    assert world.relay.run_once() is Cycle.PARTIAL
+    assert world.relay.run_once() is Turn.PARTIAL
     assert world.published() == sent
     assert world.store.pending() == 0
     # Whatever the crashed relay writes if it ever comes back is fenced off.
