@@ -298,11 +298,6 @@ ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
     # Lanes reach up for the app instead of being handed it.
     ("celery_outbox.events.commands", "celery_outbox.app"): "events' commands",
     ("celery_outbox.inbox.checks", "celery_outbox.app"): "the inbox's checks",
-    # The old spellings InboxTask and OrderedTask return the composed OutboxTask
-    # (celery_outbox.task), which composes these modules' parts; they go with the
-    # other old spellings (#47), and these entries with them.
-    ("celery_outbox.inbox.task", "celery_outbox.task"): "deprecated InboxTask",
-    ("celery_outbox.ordering.task", "celery_outbox.task"): "deprecated OrderedTask",
 }
 
 
