@@ -347,15 +347,15 @@ class StackSpec:
     relays: int = 1
     relay_options: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    #: Says what ``env`` sets, in the test id.
+    label: str = ""
 
     @property
     def name(self) -> str:
         """The test id of the spec."""
-        return "-".join(
-            [self.vendor, "redis" if self.broker.startswith("redis://") else "rabbitmq"]
-            + [f"{self.pool}{self.concurrency}"]
-            + [f"{key.removeprefix('OUTBOX_TEST_')}={value}" for key, value in self.env]
-        )
+        broker = "redis" if self.broker.startswith("redis://") else "rabbitmq"
+        parts = [self.vendor, broker, f"{self.pool}{self.concurrency}", self.label]
+        return "-".join(part for part in parts if part)
 
     def start(self, stack: Stack) -> None:
         """Start the worker, then the relays, and wait until each relay's loop runs."""

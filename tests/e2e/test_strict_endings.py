@@ -51,6 +51,7 @@ def spec(vendor: str = "postgresql", prefork: int = 2) -> StackSpec:
         pool="prefork",
         concurrency=prefork,
         env=(("OUTBOX_TEST_STRICT_LEASE", LEASE),),
+        label=f"lease{LEASE}",
     )
 
 
