@@ -10,6 +10,11 @@ A stack some tests can share is a :class:`StackSpec`: a module-scoped ``shared_s
 fixture starts it once, parametrized by the spec (``on_stack(spec)``), so pytest runs
 the tests of one spec one after the other and stops that stack before it starts the
 next (one queue, one stack at a time); the ``stack`` fixture hands it to each test.
+Under pytest-xdist each worker process has its own queue and databases: it starts
+the stack for the tests of it that it gets (``load`` hands them out in runs of
+consecutive tests), so nothing depends on which worker runs which test.
+(``--dist loadgroup`` would keep them together, but pytest-xdist 3.8's groups are
+lost on pytest 9, whose node ids it can no longer rename.)
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ from tests.project.shop.tasks import add, collect, flaky, record, spawn_child
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(240),
-    pytest.mark.xdist_group("e2e-delivery"),
 ]
 
 #: Bound on waiting for tasks to be published and executed.

@@ -219,7 +219,6 @@ def test_no_more_than_the_cap_of_a_key_runs_at_once_and_the_keys_run_side_by_sid
 
 @on("postgresql")
 @ON_CAPPED
-@pytest.mark.xdist_group("e2e-flow-keys-capped")
 def test_tasks_sent_before_their_flow_was_configured_free_their_slots_too(
     stack: Stack, settings: Any
 ) -> None:
@@ -230,7 +229,6 @@ def test_tasks_sent_before_their_flow_was_configured_free_their_slots_too(
 
 @on("postgresql")
 @ON_CAPPED
-@pytest.mark.xdist_group("e2e-flow-keys-capped")
 def test_a_keys_retried_tasks_hold_its_cap_too(stack: Stack, settings: Any) -> None:
     # self.retry(countdown=0) writes the retry's row before the run's end is
     # reported: the run's slot counts until then, and its end frees its own slot.

@@ -7,9 +7,8 @@ and run again, within the test). Each test waits for what a user checks: the key
 next task ran (or the key is blocked, as ``outbox ordering stats`` shows), and the
 head ran no more than it should.
 
-The tests share a stack per database and worker size (one for each of
-:data:`SHARED`'s specs, pytest-xdist sends them all to one process); each asserts on
-its own key and tags. A test that kills a worker's process has a stack of its own.
+The tests share a stack per database and worker size; each asserts on its own
+key and tags. A test that kills a worker's process has a stack of its own.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from tests.project.shop.tasks import ending, record
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.django_db(databases="__all__", transaction=True),
-    pytest.mark.xdist_group("e2e-strict-endings"),
 ]
 
 #: Seconds a strict head stays running without a report (the test settings' lease):
