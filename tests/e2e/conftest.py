@@ -5,6 +5,16 @@ at the pytest-django test database of ``vendor`` and starts ``manage.py outbox r
 and ``celery worker`` subprocesses on that same database and broker. Every process
 is stopped in teardown (SIGTERM, then SIGKILL), and its log is printed when the test
 did not pass.
+
+A stack some tests can share is a :class:`StackSpec`: a module-scoped ``shared_stack``
+fixture starts it once, parametrized by the spec (``on_stack(spec)``), so pytest runs
+the tests of one spec one after the other and stops that stack before it starts the
+next (one queue, one stack at a time); the ``stack`` fixture hands it to each test.
+Under pytest-xdist each worker process has its own queue and databases: it starts
+the stack for the tests of it that it gets (``load`` hands them out in runs of
+consecutive tests), so nothing depends on which worker runs which test.
+(``--dist loadgroup`` would keep them together, but pytest-xdist 3.8's groups are
+lost on pytest 9, whose node ids it can no longer rename.)
 """
 
 from __future__ import annotations
@@ -34,7 +44,17 @@ STOP_TIMEOUT = 15.0
 #: it acts on SIGTERM within that time instead of up to 10 s.
 WORKER_HEARTBEAT = 4.0
 
-__all__ = ["BROKER_AMQP", "BROKER_REDIS", "Proc", "Stack", "alias_for", "wait_until"]
+__all__ = [
+    "BROKER_AMQP",
+    "BROKER_REDIS",
+    "Proc",
+    "SharedStack",
+    "Stack",
+    "StackSpec",
+    "alias_for",
+    "on_stack",
+    "wait_until",
+]
 
 
 def alias_for(vendor: str) -> str:
@@ -246,6 +266,43 @@ def pytest_runtest_makereport(
     return report
 
 
+def new_stack(vendor: str, broker: str, queue: str, logs: Path) -> Stack:
+    """A stack (no process started yet) on ``vendor``'s test database and ``broker``."""
+    alias = alias_for(vendor)
+    database = connections[alias].settings_dict["NAME"]
+    assert Path(str(database)).name.startswith("test_"), (
+        f"refusing to point subprocesses at a non-test database {database!r}"
+    )
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="tests.project.settings",
+        OUTBOX_TEST_DB=vendor,
+        OUTBOX_TEST_DB_NAME=str(database),
+        OUTBOX_TEST_QUEUE=queue,
+        OUTBOX_TEST_BROKER=broker,
+        PYTHONUNBUFFERED="1",
+    )
+    # Django 6.1 runs a command's model checks on every database, and MySQL's
+    # connect to theirs: the subprocesses' MySQL alias names this run's test one.
+    for connection in connections.all():
+        if connection.vendor == "mysql":
+            env["OUTBOX_MYSQL_NAME"] = str(connection.settings_dict["NAME"])
+    logs.mkdir()
+    return Stack(vendor, alias, broker, env, logs)
+
+
+def point_outbox_at(stack: Stack, settings: Any) -> None:
+    """The test process's outbox writes to ``stack``'s database."""
+    if stack.alias != "default":
+        settings.CELERY_OUTBOX_DATABASE = stack.alias
+
+
+def test_passed(item: pytest.Item) -> bool:
+    """The test's setup and call passed (or have not run)."""
+    reports = (getattr(item, f"_e2e_report_{when}", None) for when in ("setup", "call"))
+    return all(report is None or report.passed for report in reports)
+
+
 @pytest.fixture
 def e2e(
     request: pytest.FixtureRequest,
@@ -254,34 +311,14 @@ def e2e(
     settings: Any,
     test_queue: str,
 ) -> Iterator[Callable[..., Stack]]:
-    """Factory: ``e2e(vendor="postgresql", broker=BROKER_AMQP)`` -> :class:`Stack`."""
+    """Factory: ``e2e(vendor="postgresql", broker=BROKER_AMQP)`` -> :class:`Stack`,
+    the test's own: stopped at the end of the test."""
     stacks: list[Stack] = []
 
     def make(vendor: str = "postgresql", broker: str = BROKER_AMQP) -> Stack:
-        alias = alias_for(vendor)
-        if alias != "default":
-            settings.CELERY_OUTBOX_DATABASE = alias
-        database = connections[alias].settings_dict["NAME"]
-        assert Path(str(database)).name.startswith("test_"), (
-            f"refusing to point subprocesses at a non-test database {database!r}"
-        )
-        env = dict(os.environ)
-        env.update(
-            DJANGO_SETTINGS_MODULE="tests.project.settings",
-            OUTBOX_TEST_DB=vendor,
-            OUTBOX_TEST_DB_NAME=str(database),
-            OUTBOX_TEST_QUEUE=test_queue,
-            OUTBOX_TEST_BROKER=broker,
-            PYTHONUNBUFFERED="1",
-        )
-        # Django 6.1 runs a command's model checks on every database, and MySQL's
-        # connect to theirs: the subprocesses' MySQL alias names this run's test one.
-        for connection in connections.all():
-            if connection.vendor == "mysql":
-                env["OUTBOX_MYSQL_NAME"] = str(connection.settings_dict["NAME"])
-        logs = tmp_path / f"stack{len(stacks)}"
-        logs.mkdir()
-        stack = Stack(vendor, alias, broker, env, logs)
+        stop_shared()  # its worker would consume this stack's queue too
+        stack = new_stack(vendor, broker, test_queue, tmp_path / f"stack{len(stacks)}")
+        point_outbox_at(stack, settings)
         stacks.append(stack)
         return stack
 
@@ -291,14 +328,148 @@ def e2e(
         stack.stop_all()
     if any(stack.broker.startswith("redis://") for stack in stacks):
         _forget_redis_queue(test_queue)
-    passed = all(
-        getattr(request.node, f"_e2e_report_{when}", None) is None
-        or getattr(request.node, f"_e2e_report_{when}").passed
-        for when in ("setup", "call")
-    )
-    if not passed:
+    if not test_passed(request.node):
         for stack in stacks:
             print(f"\n##### {stack.vendor} / {stack.broker}\n{stack.report()}")
+
+
+# -- stacks that tests share --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """A stack tests can share: one worker and ``relays`` relays, started once.
+
+    ``env`` adds to the subprocesses' environment (their settings); a test that
+    needs a setting of its own, a stopped broker or a killed process has a stack of
+    its own (the ``e2e`` fixture) instead.
+    """
+
+    vendor: str = "postgresql"
+    broker: str = BROKER_AMQP
+    pool: str = "threads"
+    concurrency: int = 4
+    relays: int = 1
+    relay_options: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    #: Says what ``env`` sets, in the test id.
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        """The test id of the spec."""
+        broker = "redis" if self.broker.startswith("redis://") else "rabbitmq"
+        parts = [self.vendor, broker, f"{self.pool}{self.concurrency}", self.label]
+        return "-".join(part for part in parts if part)
+
+    def start(self, stack: Stack) -> None:
+        """Start the worker, then the relays, and wait until each relay's loop runs."""
+        stack.env.update(self.env)
+        stack.start_worker(pool=self.pool, concurrency=self.concurrency)
+        for n in range(self.relays):
+            stack.start_relay(*self.relay_options, name=f"relay-{n + 1}")
+
+
+def on_stack(*specs: StackSpec) -> pytest.MarkDecorator:
+    """Run the test on the shared stack of each of ``specs``."""
+    return pytest.mark.parametrize(
+        "shared_stack", specs, indirect=True, ids=[spec.name for spec in specs]
+    )
+
+
+@dataclass
+class SharedStack:
+    """The stack of a :class:`StackSpec`, started when a test needs it.
+
+    Every stack of a run consumes the run's queue, so one runs at a time: a test
+    with a stack of its own stops the shared one first (:func:`stop_shared`), and
+    the next test on it starts it again.
+    """
+
+    spec: StackSpec
+    queue: str
+    logs: Path
+    current: Stack | None = None
+    starts: int = 0
+
+    def running(self) -> Stack:
+        """The stack, started (again) if it is not running."""
+        if self.current is None:
+            stop_shared()
+            self.starts += 1
+            stack = new_stack(
+                self.spec.vendor,
+                self.spec.broker,
+                self.queue,
+                self.logs / f"{self.spec.name}-{self.starts}",
+            )
+            _RUNNING.append(self)
+            self.current = stack
+            self.spec.start(stack)
+        return self.current
+
+    def stop(self) -> None:
+        if self.current is None:
+            return
+        stack, self.current = self.current, None
+        _RUNNING.remove(self)
+        stack.stop_all()
+        if stack.broker.startswith("redis://"):
+            _forget_redis_queue(self.queue)
+
+
+#: The shared stacks running in this process (at most one).
+_RUNNING: list[SharedStack] = []
+
+
+def stop_shared() -> None:
+    """Stop every shared stack of this process (before a stack that is not one)."""
+    for shared in list(_RUNNING):
+        shared.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(
+    request: pytest.FixtureRequest,
+    django_db_setup: None,
+    tmp_path_factory: pytest.TempPathFactory,
+    test_queue: str,
+) -> Iterator[SharedStack]:
+    """The stack of ``request.param`` (a :class:`StackSpec`), for the module's tests
+    on it: pytest runs those one after the other, and stops this stack (this
+    fixture's teardown) before it starts another's."""
+    spec = getattr(request, "param", None)
+    assert isinstance(spec, StackSpec), "parametrize shared_stack with on_stack(...)"
+    shared = SharedStack(spec, test_queue, tmp_path_factory.mktemp("shared"))
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+@pytest.fixture
+def stack(
+    request: pytest.FixtureRequest,
+    shared_stack: SharedStack,
+    transactional_db: None,
+    settings: Any,
+) -> Iterator[Stack]:
+    """The shared stack, for one test: every process of it still running when the
+    test begins, the test's outbox on its database, and what the processes logged
+    during the test printed if it did not pass."""
+    current = shared_stack.running()
+    current.assert_alive()
+    point_outbox_at(current, settings)
+    seen = {proc.name: len(proc.output()) for proc in current.procs}
+    yield current
+    if not test_passed(request.node):
+        print(f"\n##### shared {current.vendor} / {current.broker}")
+        for proc in current.procs:
+            since = seen.get(proc.name, 0)
+            print(
+                f"===== {proc.name} (pid {proc.pid}, exit {proc.popen.returncode}), "
+                f"from this test on:\n{proc.output()[since:]}"
+            )
 
 
 def _forget_redis_queue(queue: str) -> None:

@@ -3,6 +3,10 @@ a real ``manage.py outbox relay`` publishes them and a real Celery worker runs t
 
 Every task records its execution as a TaskRun row in the same test database, so the
 assertions count executions: committed work runs exactly once, rolled-back work never.
+
+The tests on PostgreSQL and RabbitMQ with a plain relay and worker share one stack
+(:data:`PLAIN`); each counts the executions of its own tags. A test that needs
+another relay, no relay, or a relay stopped on purpose has a stack of its own.
 """
 
 from __future__ import annotations
@@ -23,11 +27,22 @@ from celery import chain, chord, group
 from django.db import transaction
 
 from celery_outbox.models import DeadLetter, OutboxMessage
-from tests.e2e.conftest import BROKER_AMQP, BROKER_REDIS, Stack, alias_for, wait_until
+from tests.e2e.conftest import (
+    BROKER_AMQP,
+    BROKER_REDIS,
+    Stack,
+    StackSpec,
+    alias_for,
+    on_stack,
+    wait_until,
+)
 from tests.project.shop.models import Order, TaskRun
 from tests.project.shop.tasks import add, collect, flaky, record, spawn_child
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(240),
+]
 
 #: Bound on waiting for tasks to be published and executed.
 RUN_TIMEOUT = 60.0
@@ -119,58 +134,53 @@ def enqueue_work(tag: str, kind: int) -> set[str]:
     return tags
 
 
-def worker_options(vendor: str) -> dict[str, Any]:
+def delivery(vendor: str, broker: str = BROKER_AMQP) -> StackSpec:
+    """A worker and a relay on ``vendor`` and ``broker``."""
     # SQLite has one writer at a time: one task at a time keeps lock waits short.
     if vendor == "sqlite":
-        return {"pool": "solo", "concurrency": 1}
-    return {"pool": "threads", "concurrency": 4}
+        return StackSpec(vendor, broker, pool="solo", concurrency=1)
+    return StackSpec(vendor, broker)
+
+
+#: PostgreSQL and RabbitMQ, a threads worker and a relay: the tests' shared stack.
+PLAIN = delivery("postgresql")
 
 
 # -- 1 and 2: the guarantee, on every database and on both brokers -----------------
 
 
 @pytest.mark.parametrize(
-    ("vendor", "broker", "committed", "rolled_back"),
+    ("shared_stack", "committed", "rolled_back"),
     [
+        pytest.param(PLAIN, 60, 20, id="postgresql-rabbitmq", marks=db("postgresql")),
         pytest.param(
-            "postgresql",
-            BROKER_AMQP,
-            60,
-            20,
-            id="postgresql-rabbitmq",
-            marks=db("postgresql"),
+            delivery("mysql"), 20, 8, id="mariadb-rabbitmq", marks=db("mysql")
         ),
         pytest.param(
-            "mysql", BROKER_AMQP, 20, 8, id="mariadb-rabbitmq", marks=db("mysql")
+            delivery("sqlite"), 20, 8, id="sqlite-rabbitmq", marks=db("sqlite")
         ),
         pytest.param(
-            "sqlite", BROKER_AMQP, 20, 8, id="sqlite-rabbitmq", marks=db("sqlite")
-        ),
-        pytest.param(
-            "postgresql",
-            BROKER_REDIS,
+            delivery("postgresql", BROKER_REDIS),
             20,
             8,
             id="postgresql-redis",
             marks=db("postgresql"),
         ),
         pytest.param(
-            "postgresql_commit",
-            BROKER_AMQP,
+            delivery("postgresql_commit"),
             30,
             10,
             id="postgresql-write-on-commit-rabbitmq",
             marks=db("postgresql_commit"),
         ),
     ],
+    indirect=["shared_stack"],
+    scope="module",  # the shared stack's: pytest groups the tests of each stack
 )
 def test_committed_tasks_run_exactly_once_and_rolled_back_never(
-    e2e: E2EFactory, vendor: str, broker: str, committed: int, rolled_back: int
+    stack: Stack, committed: int, rolled_back: int
 ) -> None:
-    stack = e2e(vendor, broker)
     alias = stack.alias
-    stack.start_worker(**worker_options(vendor))
-    stack.start_relay()
     prefix = new_prefix("deliver")
     plan = [True] * committed + [False] * rolled_back
     random.Random(20240601).shuffle(plan)
@@ -206,11 +216,9 @@ def test_committed_tasks_run_exactly_once_and_rolled_back_never(
 
 
 @db("postgresql")
-def test_chord_runs_its_body_once_with_the_header_results(e2e: E2EFactory) -> None:
-    stack = e2e("postgresql", BROKER_AMQP)
+@on_stack(PLAIN)
+def test_chord_runs_its_body_once_with_the_header_results(stack: Stack) -> None:
     alias = stack.alias
-    stack.start_worker()
-    stack.start_relay()
     prefix = new_prefix("chord")
 
     def make_chord(name: str) -> tuple[Any, set[str], str]:

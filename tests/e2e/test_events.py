@@ -35,7 +35,15 @@ from tests.events_project.record import URL as RECORD_URL
 from tests.project.shop.models import TaskRun
 
 from ..integration.test_events import delete_topology, order_created_fixture  # noqa: F401
-from .conftest import BROKER_AMQP, BROKER_REDIS, REPO_ROOT, Proc, Stack, wait_until
+from .conftest import (
+    BROKER_AMQP,
+    BROKER_REDIS,
+    REPO_ROOT,
+    WORKER_HEARTBEAT,
+    Proc,
+    Stack,
+    wait_until,
+)
 
 STEPS = 3
 SERVICES = ["billing", "shipping", "audit", "ledger"]
@@ -63,7 +71,9 @@ class Events:
         concurrency: int = 4,
         env: dict[str, str] | None = None,
     ) -> Proc:
-        """A worker of ``service`` on its queue; ``env`` adds to the stack's."""
+        """A worker of ``service`` on its queue; ``env`` adds to the stack's. With the
+        project's worker's AMQP heartbeat: it acts on SIGTERM within half of it, not
+        after up to 10 s of an idle connection (the stack's stop waited for that)."""
         args = [
             sys.executable, "-m", "celery", "-A", f"tests.events_project.{service}",
             "worker", "--pool", pool, "--concurrency", str(concurrency),
@@ -72,7 +82,8 @@ class Events:
             "--without-heartbeat", "--without-gossip", "--without-mingle",
             "-l", "warning",
         ]  # fmt: skip
-        environ = dict(self.stack.env, **env) if env else None
+        environ = dict(self.stack.env, **(env or {}))
+        environ["OUTBOX_TEST_BROKER_HEARTBEAT"] = str(WORKER_HEARTBEAT)
         proc = self.stack._spawn(service, args, env=environ)
         proc.wait_for_output(f"events: service {service} consumes")
         return proc

@@ -42,7 +42,15 @@ from django.db import transaction
 from django.utils import timezone
 
 from celery_outbox.models import FlowSlot, OutboxMessage
-from tests.e2e.conftest import BROKER_AMQP, Proc, Stack, alias_for, wait_until
+from tests.e2e.conftest import (
+    BROKER_AMQP,
+    Proc,
+    Stack,
+    StackSpec,
+    alias_for,
+    on_stack,
+    wait_until,
+)
 from tests.project.shop.models import TaskRun
 from tests.project.shop.tasks import add, hold, record, record_late, requeue_once
 
@@ -72,15 +80,21 @@ def started(
     relays: int = 1,
     sender: bool = True,
 ) -> Stack:
-    """A threads worker and ``relays`` relays under ``flows``, ready: a task of no
-    flow has run. ``sender``: the test process has the flows too (else it sends as
-    a process of older settings)."""
-    if sender:
-        settings.CELERY_OUTBOX_FLOWS = flows
+    """A threads worker and ``relays`` relays under ``flows``, :func:`ready`."""
     stack.env.update(OUTBOX_TEST_FLOWS=json.dumps(flows))
     stack.start_worker(concurrency=concurrency)
     for _ in range(relays):
         stack.start_relay(*relay)
+    return ready(stack, settings, flows, sender=sender)
+
+
+def ready(
+    stack: Stack, settings: Any, flows: Mapping[str, object], *, sender: bool = True
+) -> Stack:
+    """``stack`` once a task of no flow has run on it. ``sender``: the test process
+    has the flows too (else it sends as a process of older settings)."""
+    if sender:
+        settings.CELERY_OUTBOX_FLOWS = flows
     tag = f"warm-{uuid.uuid4().hex[:8]}"
     with transaction.atomic(using=stack.alias):
         add.delay(1, 2, tag=tag)
@@ -139,6 +153,14 @@ PER_KEY = 8
 RUNNING = 2
 #: Seconds each task of the cap's test holds its slot.
 HOLD = 0.5
+#: The cap's flow on a threads worker of 8 and a relay: the stack the tests of one
+#: relay under the cap share (each on keys of its own; the lease is 300 s).
+CAPPED = flow(running=RUNNING)
+ON_CAPPED = on_stack(
+    StackSpec(
+        concurrency=8, env=(("OUTBOX_TEST_FLOWS", json.dumps(CAPPED)),), label="capped"
+    )
+)
 
 
 def capped_keys(stack: Stack) -> None:
@@ -196,21 +218,21 @@ def test_no_more_than_the_cap_of_a_key_runs_at_once_and_the_keys_run_side_by_sid
 
 
 @on("postgresql")
+@ON_CAPPED
 def test_tasks_sent_before_their_flow_was_configured_free_their_slots_too(
-    e2e: E2EFactory, settings: Any
+    stack: Stack, settings: Any
 ) -> None:
     # Their headers carry the key and no flow: the relay's flow takes their slots,
     # and its name must reach the worker's reports, or each slot waits 300 s.
-    stack = e2e("postgresql", BROKER_AMQP)
-    capped_keys(started(stack, settings, flow(running=RUNNING), 8, sender=False))
+    capped_keys(ready(stack, settings, CAPPED, sender=False))
 
 
 @on("postgresql")
-def test_a_keys_retried_tasks_hold_its_cap_too(e2e: E2EFactory, settings: Any) -> None:
+@ON_CAPPED
+def test_a_keys_retried_tasks_hold_its_cap_too(stack: Stack, settings: Any) -> None:
     # self.retry(countdown=0) writes the retry's row before the run's end is
     # reported: the run's slot counts until then, and its end frees its own slot.
-    stack = e2e("postgresql", BROKER_AMQP)
-    started(stack, settings, flow(running=RUNNING), 8)
+    ready(stack, settings, CAPPED)
     alias, prefix = stack.alias, uuid.uuid4().hex[:8]
     with transaction.atomic(using=alias):
         for n in range(PER_KEY):

@@ -3,6 +3,10 @@
 Messages are published straight to RabbitMQ by a plain Celery app (as a broker
 redelivery or a relay re-publish would deliver them), so the same task id arrives
 twice. Inbox tasks commit their effect once; plain tasks run every copy.
+
+The tests of one worker share a stack (each on task ids and tags of its own; the
+relay idles in those that publish straight to the broker); the race between two
+workers has a stack of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from celery import Celery
 from django.db import transaction
 from kombu import Connection
 
-from tests.e2e.conftest import BROKER_AMQP, Stack, wait_until
+from tests.e2e.conftest import BROKER_AMQP, Stack, StackSpec, on_stack, wait_until
 from tests.project.shop.models import TaskRun
 from tests.project.shop.tasks import DUPLICATE_TASK_NAME, inbox_record
 
@@ -29,6 +33,8 @@ pytestmark = [
 
 E2EFactory = Callable[..., Stack]
 RUN_TIMEOUT = 60.0
+#: A threads worker of two and a relay.
+ONE_WORKER = on_stack(StackSpec(concurrency=2))
 
 
 @pytest.fixture
@@ -68,11 +74,10 @@ def wait_for(count: Callable[[], int], expected: int, what: str) -> None:
     wait_until(lambda: count() >= expected, RUN_TIMEOUT, what, lambda: f"{count()}")
 
 
+@ONE_WORKER
 def test_a_message_delivered_twice_runs_an_inbox_task_once(
-    e2e: E2EFactory, plain: Callable[..., None]
+    stack: Stack, plain: Callable[..., None]
 ) -> None:
-    stack = e2e("postgresql")
-    stack.start_worker(concurrency=2)
     inbox_tag, plain_tag = (f"{n}-{uuid.uuid4().hex[:8]}" for n in ("inbox", "plain"))
     inbox_id, plain_id = uuid.uuid4().hex, uuid.uuid4().hex
     for _ in range(2):
@@ -85,12 +90,8 @@ def test_a_message_delivered_twice_runs_an_inbox_task_once(
     stack.assert_alive()
 
 
-def test_a_callers_key_merges_two_messages_through_the_outbox(
-    e2e: E2EFactory,
-) -> None:
-    stack = e2e("postgresql")
-    stack.start_worker(concurrency=2)
-    stack.start_relay()
+@ONE_WORKER
+def test_a_callers_key_merges_two_messages_through_the_outbox(stack: Stack) -> None:
     tag, key = f"key-{uuid.uuid4().hex[:8]}", f"invoice:{uuid.uuid4().hex}"
     with transaction.atomic():
         first = inbox_record.apply_async((tag, 1), inbox_key=key)
@@ -106,11 +107,10 @@ def test_a_callers_key_merges_two_messages_through_the_outbox(
     assert len(rows(tag)) == 1
 
 
+@ONE_WORKER
 def test_a_task_failing_twice_writes_its_effect_once(
-    e2e: E2EFactory, plain: Callable[..., None]
+    stack: Stack, plain: Callable[..., None]
 ) -> None:
-    stack = e2e("postgresql")
-    stack.start_worker(concurrency=2)
     tag = f"flaky-{uuid.uuid4().hex[:8]}"
     plain("shop.inbox_flaky", (tag,), uuid.uuid4().hex)
     wait_for(lambda: len(rows(tag)), 1, "the third run to commit")

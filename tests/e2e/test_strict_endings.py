@@ -6,6 +6,9 @@ strict lease of 10 s (so a head nobody settled would be published again,
 and run again, within the test). Each test waits for what a user checks: the key's
 next task ran (or the key is blocked, as ``outbox ordering stats`` shows), and the
 head ran no more than it should.
+
+The tests share a stack per database and worker size; each asserts on its own
+key and tags. A test that kills a worker's process has a stack of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from django.db import transaction
 
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.store import Stores
-from tests.e2e.conftest import BROKER_AMQP, Stack, wait_until
+from tests.e2e.conftest import BROKER_AMQP, Stack, StackSpec, on_stack, wait_until
 from tests.project.celery_app import app
 from tests.project.shop.models import TaskRun
 from tests.project.shop.tasks import ending, record
@@ -37,13 +40,31 @@ pytestmark = [
 #: report a loaded machine delays by a few seconds still comes first (at 3 s, CI's
 #: newest session ran three heads twice beside two other sessions).
 LEASE = "10"
+
+
+def spec(vendor: str = "postgresql", prefork: int = 2) -> StackSpec:
+    """A prefork worker of ``prefork`` processes and a relay, on the strict lease."""
+    return StackSpec(
+        vendor,
+        pool="prefork",
+        concurrency=prefork,
+        env=(("OUTBOX_TEST_STRICT_LEASE", LEASE),),
+        label=f"lease{LEASE}",
+    )
+
+
 #: The stores' SQL differs between these (the settlements, PostgreSQL's wake-up).
-BOTH = pytest.mark.parametrize("vendor", ["postgresql", "mysql"])
+BOTH = on_stack(spec("postgresql"), spec("mysql"))
+#: A worker of one process: a busy task keeps the head waiting in the queue.
+BOTH_ONE_PROCESS = on_stack(spec("postgresql", 1), spec("mysql", 1))
+ON_POSTGRESQL = on_stack(spec())
+ON_POSTGRESQL_ONE_PROCESS = on_stack(spec(prefork=1))
 
 
-def started(stack: Stack, prefork: int = 2, lease: str = LEASE) -> Stack:
+def started(stack: Stack, lease: str) -> Stack:
+    """A stack of the test's own: a prefork worker of two processes and a relay."""
     stack.env["OUTBOX_TEST_STRICT_LEASE"] = lease
-    stack.start_worker(pool="prefork", concurrency=prefork)
+    stack.start_worker(pool="prefork", concurrency=2)
     stack.start_relay()
     return stack
 
@@ -100,8 +121,7 @@ def started_pid(stack: Stack, tag: str) -> int:
 
 
 @BOTH
-def test_a_rejected_head_blocks_its_key_and_runs_once(e2e: Any, vendor: str) -> None:
-    stack = started(e2e(vendor, BROKER_AMQP))
+def test_a_rejected_head_blocks_its_key_and_runs_once(stack: Stack) -> None:
     tag, key = strict_key(
         stack,
         lambda tag, key: ending.apply_async(
@@ -114,10 +134,10 @@ def test_a_rejected_head_blocks_its_key_and_runs_once(e2e: Any, vendor: str) -> 
     stack.assert_alive()
 
 
+@ON_POSTGRESQL
 def test_a_rejected_head_of_a_skip_key_is_dead_lettered_and_the_key_goes_on(
-    e2e: Any,
+    stack: Stack,
 ) -> None:
-    stack = started(e2e("postgresql", BROKER_AMQP))
     tag, key = strict_key(
         stack,
         lambda tag, key: ending.apply_async(
@@ -134,8 +154,8 @@ def test_a_rejected_head_of_a_skip_key_is_dead_lettered_and_the_key_goes_on(
     outbox_empty(stack)
 
 
-def test_a_head_killed_by_its_hard_time_limit_blocks_its_key(e2e: Any) -> None:
-    stack = started(e2e("postgresql", BROKER_AMQP))
+@ON_POSTGRESQL
+def test_a_head_killed_by_its_hard_time_limit_blocks_its_key(stack: Stack) -> None:
     tag, key = strict_key(
         stack,
         lambda tag, key: ending.apply_async(
@@ -148,11 +168,10 @@ def test_a_head_killed_by_its_hard_time_limit_blocks_its_key(e2e: Any) -> None:
     stack.assert_alive()
 
 
-@BOTH
+@BOTH_ONE_PROCESS
 def test_a_head_revoked_in_the_queue_never_runs_and_its_key_goes_on(
-    e2e: Any, vendor: str
+    stack: Stack,
 ) -> None:
-    stack = started(e2e(vendor, BROKER_AMQP), prefork=1)
     busy = f"busy-{uuid.uuid4().hex[:8]}"
     with transaction.atomic(using=stack.alias):
         # Keeps the only worker process busy while the head waits in the queue.
@@ -179,10 +198,10 @@ def test_a_head_revoked_in_the_queue_never_runs_and_its_key_goes_on(
     outbox_empty(stack)
 
 
+@ON_POSTGRESQL_ONE_PROCESS
 def test_a_head_expired_in_the_queue_never_runs_and_its_key_goes_on(
-    e2e: Any,
+    stack: Stack,
 ) -> None:
-    stack = started(e2e("postgresql", BROKER_AMQP), prefork=1)
     busy = f"busy-{uuid.uuid4().hex[:8]}"
     with transaction.atomic(using=stack.alias):
         ending.apply_async((busy, "sleep", 3.0))
@@ -198,10 +217,10 @@ def test_a_head_expired_in_the_queue_never_runs_and_its_key_goes_on(
     outbox_empty(stack)
 
 
+@ON_POSTGRESQL
 def test_a_head_terminated_by_a_revoke_is_not_run_again_and_its_key_goes_on(
-    e2e: Any,
+    stack: Stack,
 ) -> None:
-    stack = started(e2e("postgresql", BROKER_AMQP))
     tag, key = strict_key(
         stack,
         lambda tag, key: ending.apply_async(
@@ -216,11 +235,12 @@ def test_a_head_terminated_by_a_revoke_is_not_run_again_and_its_key_goes_on(
     outbox_empty(stack)
 
 
-@BOTH
+@pytest.mark.parametrize("vendor", ["postgresql", "mysql"])
 def test_a_head_whose_worker_process_died_runs_again_at_once(
     e2e: Any, vendor: str
 ) -> None:
     # A lease far longer than the wait: only the main process's report republishes.
+    # A stack of its own: the test kills one of its worker's processes.
     stack = started(e2e(vendor, BROKER_AMQP), lease="120")
     tag, key = strict_key(
         stack,
@@ -237,8 +257,8 @@ def test_a_head_whose_worker_process_died_runs_again_at_once(
     outbox_empty(stack)
 
 
-def test_a_replaced_head_holds_its_key_until_its_replacement_ran(e2e: Any) -> None:
-    stack = started(e2e("postgresql", BROKER_AMQP))
+@ON_POSTGRESQL
+def test_a_replaced_head_holds_its_key_until_its_replacement_ran(stack: Stack) -> None:
     tag, key = strict_key(
         stack,
         lambda tag, key: ending.apply_async(
@@ -257,8 +277,8 @@ def test_a_replaced_head_holds_its_key_until_its_replacement_ran(e2e: Any) -> No
     outbox_empty(stack)
 
 
-def test_a_retried_head_holds_its_key_until_its_retry_ran(e2e: Any) -> None:
-    stack = started(e2e("postgresql", BROKER_AMQP))
+@ON_POSTGRESQL
+def test_a_retried_head_holds_its_key_until_its_retry_ran(stack: Stack) -> None:
     tag, key = strict_key(
         stack,
         lambda tag, key: ending.apply_async(
