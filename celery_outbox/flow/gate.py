@@ -5,7 +5,7 @@ one transaction decides and records how many may go: a reservation of the rates
 (:meth:`~celery_outbox.store.protocol.FlowStore.reserve`), or, for a flow with
 limits per key, a decision (:meth:`~celery_outbox.store.protocol.FlowStore.decide`)
 that also takes the keys' slots and puts back the rows whose key is at a limit.
-:func:`~.core.plan` picks the rows that go and paces the rest.
+:func:`plan` picks the rows that go and paces the rest.
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from ..conf import OutboxSettings
-from ..engine.gate import RUNNING_SECONDS, Gate, KeyGate
+from ..engine.gate import RUNNING_SECONDS, Admission, Gate
 from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
-from ..outcomes import Settlement
+from ..ordering.gate import KeyGate
+from ..outcomes import Action, Decision, Settlement
 from ..store.protocol import FlowStore
 from .core import (
     FLOW_HEADER,
+    HELD_PREFIX,
     KEY_HEADER,
-    Admission,
     Candidate,
     Decided,
     Flow,
+    Grant,
     flow_of,
-    plan,
+    rates_text,
 )
 
 logger = logging.getLogger("celery_outbox.flow")
@@ -235,3 +237,56 @@ def reconcile(flows: Sequence[Flow], store: FlowStore) -> dict[str, int]:
             name,
         )
     return released
+
+
+def plan(
+    messages: Sequence[StoredMessage],
+    flow_name: Callable[[str], str | None],
+    decisions: Mapping[str, Decided],
+) -> Admission:
+    """Admit each flow's first ``granted`` free rows; hold the rest, paced.
+
+    The k-th held row of a flow is due again after ``wait + k * pace``: the rows come
+    back spread over the time the window frees, not all at once. A row waiting for
+    its key's slot was put back by the store. A row with an ordering key after a
+    held or waiting row of that key is held too (delay 0: the claim takes a key's
+    rows in order), so that holding never reorders a key.
+    """
+    go: set[int] = set()
+    late: dict[int, Decision] = {}
+    parked: set[int] = set()
+    for name, decided in decisions.items():
+        found = decided.grant
+        go.update(decided.free[: found.granted])
+        for index, row_id in enumerate(decided.free[found.granted :]):
+            delay = found.wait + index * found.pace
+            late[row_id] = Decision(row_id, Action.RELEASE, delay, _held(name, found))
+        parked.update(decided.waiting)
+    held: list[Decision] = []
+    stopped: set[str] = set()
+    admitted: list[StoredMessage] = []
+    for message in sorted(messages, key=lambda m: m.id):
+        key = message.envelope.ordering_key
+        if message.id in parked:
+            if key is not None:
+                stopped.add(key)
+            continue
+        if key is not None and key in stopped:
+            held.append(Decision(message.id, Action.RELEASE, 0.0, _behind(key)))
+            continue
+        if message.id in late:
+            held.append(late[message.id])
+            if key is not None:
+                stopped.add(key)
+            continue
+        if flow_name(message.envelope.task_name) is None or message.id in go:
+            admitted.append(message)
+    return Admission(tuple(admitted), tuple(held), tuple(sorted(parked)))
+
+
+def _held(name: str, found: Grant) -> str:
+    return f"{HELD_PREFIX}by flow {name!r} ({rates_text(found.rates)})"
+
+
+def _behind(key: str) -> str:
+    return f"{HELD_PREFIX}behind the held row before it in ordering key {key!r}"

@@ -32,7 +32,7 @@ from .types import (
 if TYPE_CHECKING:
     from ..envelope import Envelope
     from ..flow.core import Candidate, Decided, Flow, FlowStats, Grant, Limits, Rate
-    from ..ordering.options import Policy
+    from ..ordering_options import Policy
     from .events import DeadEvent
     from .history import MessageTrace
     from .ordering import BlockedHead, OrderingStats
