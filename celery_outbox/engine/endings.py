@@ -72,7 +72,7 @@ from celery.signals import (
     task_unknown,
 )
 
-from ..flow.core import FLOW_HEADER, KEY_HEADER
+from ..flow_limits import FLOW_HEADER, KEY_HEADER
 from ..ordering_options import HEADER, is_strict
 
 

@@ -19,10 +19,7 @@ from ..conf import OutboxSettings
 from ..engine.gate import RUNNING_SECONDS, Admission, Gate
 from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
-from ..ordering.gate import KeyGate
-from ..outcomes import Action, Decision, Settlement
-from ..store.protocol import FlowStore
-from .core import (
+from ..flow_limits import (
     FLOW_HEADER,
     HELD_PREFIX,
     KEY_HEADER,
@@ -33,6 +30,9 @@ from .core import (
     flow_of,
     rates_text,
 )
+from ..ordering.gate import KeyGate
+from ..outcomes import Action, Decision, Settlement
+from ..store.protocol import FlowStore
 
 logger = logging.getLogger("celery_outbox.flow")
 
@@ -128,7 +128,7 @@ class FlowGate(KeyGate):
 
     def _outlived(self, flow: Flow, queues: Sequence[str]) -> None:
         """Settle ``flow``'s unstarted slots past their lease by what ``queues``
-        hold now (:func:`~.core.outlived`): a task that waits in its queue keeps
+        hold now (:func:`~celery_outbox.flow_limits.outlived`): a task that waits in its queue keeps
         its slot however long it waits; one that left the queue unreported frees
         its own. A broker that cannot be asked now keeps them all another lease."""
         named = [queue for queue in queues if queue]

@@ -21,7 +21,8 @@ from celery_outbox.engine.loop import Turn
 from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
-from celery_outbox.flow.core import (
+from celery_outbox.flow.gate import FlowGate, gate_for, plan
+from celery_outbox.flow_limits import (
     FLOW_HEADER,
     KEY_HEADER,
     Candidate,
@@ -38,7 +39,6 @@ from celery_outbox.flow.core import (
     read_limits,
     use_of,
 )
-from celery_outbox.flow.gate import FlowGate, gate_for, plan
 from celery_outbox.ordering.gate import KeyGate
 from celery_outbox.outcomes import Action, Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig

@@ -48,9 +48,9 @@ PLACES = {
     # Ordered keys' options and their header: values the enqueue writes, the
     # store's claim and the worker's endings read.
     "celery_outbox.ordering_options": "values",
-    # Flow control's rates and decisions: values the gate and its store apply.
-    "celery_outbox.flow": "values",
-    "celery_outbox.flow.core": "values",
+    # Flow control's rates, limits and decisions: values the settings, the flow
+    # store and the worker's endings read, and the flow lane applies.
+    "celery_outbox.flow_limits": "values",
     # Stores and brokers: every read and write of the tables, every broker call.
     "celery_outbox.backends": "stores",
     "celery_outbox.broker": "stores",
@@ -63,12 +63,9 @@ PLACES = {
     "celery_outbox.handlers.models": "stores",
     # The engine of leased work, and the gate that limits what a lane publishes.
     "celery_outbox.engine": "engine",
-    # The flow gate (on ordered keys' gate), and a flow key's slots, started and
-    # freed by the worker's reports.
-    "celery_outbox.flow.gate": "lanes",
-    "celery_outbox.flow.worker": "lanes",
     # Lanes, and what observes them.
     "celery_outbox.events": "lanes",
+    "celery_outbox.flow": "lanes",
     "celery_outbox.handlers": "lanes",
     "celery_outbox.inbox": "lanes",
     "celery_outbox.metrics": "lanes",
@@ -270,18 +267,6 @@ TREES = (PACKAGE, ROOT / "bench")
 #: whose old spelling goes) when it is mended; then its entry goes too
 #: (test_every_allowed_circle_still_closes_one says when).
 ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
-    # Values every layer needs, still in the flow lane's folder (flow.core):
-    # settings, the engine and the stores import them there.
-    ("celery_outbox.conf", "celery_outbox.flow.core"): "settings build Flow values",
-    # The flow gate builds on ordered keys' gate, whose store reads flow values.
-    ("celery_outbox.flow.gate", "celery_outbox.ordering.gate"): "ordered keys' gate",
-    ("celery_outbox.engine.endings", "celery_outbox.flow.core"): "flows' settlement",
-    # The engine's reporter and heartbeat name the stores they write through.
-    ("celery_outbox.engine.reports", "celery_outbox.store"): "the reporter's stores",
-    ("celery_outbox.engine.heartbeat", "celery_outbox.store.protocol"): "its store",
-    # The flow gate and its admin reach the stores from the lanes' folder.
-    ("celery_outbox.flow.gate", "celery_outbox.store.protocol"): "the gate's store",
-    ("celery_outbox.flow.admin", "celery_outbox.store"): "the admin's store",
     # Observers read the relay's observations instead of subscribing to them, and
     # the relay's runner and on-commit publisher reach up for them and for the app.
     ("celery_outbox.contrib.otel", "celery_outbox.relay.observations"): "OpenTelemetry",

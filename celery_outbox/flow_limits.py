@@ -1,4 +1,6 @@
-"""Flow decisions, as pure functions over values (no database, no clock).
+"""Flow control's values: a flow's rates and limits per key, and the decisions over
+them, as pure functions (no database, no clock). The settings, the stores and the
+engine read them; the flow lane (:mod:`celery_outbox.flow`) applies them.
 
 * :func:`parse_rate` and :func:`parse_flows`: ``CELERY_OUTBOX_FLOWS`` read and checked;
 * :func:`use_of`: how much of one rate's sliding window the publish records use;
