@@ -633,10 +633,20 @@ def waiting_reason(flow: str, key: str) -> str:
     return f"waiting for a slot of key {key!r} in flow {flow!r}"
 
 
+def held_reason(flow: str, rates: Iterable[Rate]) -> str:
+    """The ``last_error`` of a row a flow's ``rates`` hold back."""
+    return f"{HELD_PREFIX}by flow {flow!r} ({rates_text(rates)})"
+
+
+def behind_reason(key: str) -> str:
+    """The ``last_error`` of a row held behind a held row of its ordering key."""
+    return f"{HELD_PREFIX}behind the held row before it in ordering key {key!r}"
+
+
 def holder(reason: str, key: str | None) -> str | None:
     """The flow a row's ``last_error`` says parked it (``key``: its ``flow_key``)
     or, with no key, held it by its rates; None when it names none. The reverse of
-    :func:`waiting_reason` and of a held row's reason: the name is the ``repr``
+    :func:`waiting_reason` and :func:`held_reason`: the name is the ``repr``
     they wrote (a rate's text has no parenthesis, so the last ``" ("`` ends it)."""
     if key is not None:
         prefix = f"waiting for a slot of key {key!r} in flow "

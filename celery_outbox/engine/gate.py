@@ -2,9 +2,8 @@
 the rows it published.
 
 A lane asks its gate before it publishes a claimed batch; the gate answers with an
-:class:`Admission`: the rows to publish now, and the rows
-to put back (released: no attempt used, not an error), each with when it is due
-again. After the publish, the lane hands the gate the batch's settlement, and the
+:class:`Admission`: the rows to publish now, and the rows to put back (released: no
+attempt used, not an error), each with when it is due again. After the publish, the lane hands the gate the batch's settlement, and the
 gate applies what its policies keep of a published row: a strict head stays in the
 outbox, running, until its worker reports (strict ordering is a limit of one running
 task per key, whose order the claim keeps); a head that failed for good blocks its

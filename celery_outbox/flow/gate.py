@@ -21,14 +21,13 @@ from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
 from ..flow_limits import (
     FLOW_HEADER,
-    HELD_PREFIX,
     KEY_HEADER,
     Candidate,
     Decided,
     Flow,
-    Grant,
+    behind_reason,
     flow_of,
-    rates_text,
+    held_reason,
 )
 from ..ordering.gate import KeyGate
 from ..outcomes import Action, Decision, Settlement
@@ -260,7 +259,9 @@ def plan(
         go.update(decided.free[: found.granted])
         for index, row_id in enumerate(decided.free[found.granted :]):
             delay = found.wait + index * found.pace
-            late[row_id] = Decision(row_id, Action.RELEASE, delay, _held(name, found))
+            late[row_id] = Decision(
+                row_id, Action.RELEASE, delay, held_reason(name, found.rates)
+            )
         parked.update(decided.waiting)
     held: list[Decision] = []
     stopped: set[str] = set()
@@ -272,7 +273,7 @@ def plan(
                 stopped.add(key)
             continue
         if key is not None and key in stopped:
-            held.append(Decision(message.id, Action.RELEASE, 0.0, _behind(key)))
+            held.append(Decision(message.id, Action.RELEASE, 0.0, behind_reason(key)))
             continue
         if message.id in late:
             held.append(late[message.id])
@@ -282,11 +283,3 @@ def plan(
         if flow_name(message.envelope.task_name) is None or message.id in go:
             admitted.append(message)
     return Admission(tuple(admitted), tuple(held), tuple(sorted(parked)))
-
-
-def _held(name: str, found: Grant) -> str:
-    return f"{HELD_PREFIX}by flow {name!r} ({rates_text(found.rates)})"
-
-
-def _behind(key: str) -> str:
-    return f"{HELD_PREFIX}behind the held row before it in ordering key {key!r}"
