@@ -27,8 +27,8 @@ from .enqueue import (
 )
 from .envelope import Envelope
 from .exceptions import OutboxConfigurationError, OutboxDatabaseError
-from .flow.core import KEY_HEADER, flow_of
 from .flow.worker import install as install_flow_reports
+from .flow_limits import KEY_HEADER, flow_of
 from .ordering.worker import install as install_ordering_reports
 from .scheduling import far_eta
 from .store import outbox_alias

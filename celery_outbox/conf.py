@@ -21,7 +21,7 @@ from django.dispatch import receiver
 
 from .durations import is_seconds, parse_duration
 from .exceptions import OutboxConfigurationError
-from .flow.core import Flow, parse_flows
+from .flow_limits import Flow, parse_flows
 
 PREFIX = "CELERY_OUTBOX_"
 

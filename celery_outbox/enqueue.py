@@ -39,9 +39,9 @@ from .exceptions import (
     OutboxTransactionError,
     OutboxValueError,
 )
-from .flow.core import FLOW_HEADER, KEY_HEADER, check_key, flow_of
-from .ordering.options import HEADER as ORDERING_HEADER
-from .ordering.options import OPTION_NAMES, pop_options
+from .flow_limits import FLOW_HEADER, KEY_HEADER, check_key, flow_of
+from .ordering_options import HEADER as ORDERING_HEADER
+from .ordering_options import OPTION_NAMES, pop_options
 from .queues import cached_queue_spec
 from .scheduling import schedule
 from .signals import send_created

@@ -276,7 +276,7 @@ class FlowSlot(models.Model):
     flow_key = models.CharField(max_length=255)
     task_id = models.CharField(max_length=255)
     #: The broker queue its task went to: an unstarted slot past ``expires_at``
-    #: stays while the queue still holds its task (see ``flow.core.outlived``).
+    #: stays while the queue still holds its task (see ``flow_limits.outlived``).
     queue = models.CharField(max_length=255, default="", blank=True)
     started = models.BooleanField(default=False)
     expires_at = models.DateTimeField()

@@ -13,7 +13,8 @@ from typing import Any
 from django.core.management.base import CommandError
 
 from ..conf import get_settings
-from ..flow.core import (
+from ..flow.gate import reconcile
+from ..flow_limits import (
     Flow,
     Limits,
     changeable,
@@ -22,7 +23,6 @@ from ..flow.core import (
     rates_text,
     read_limits,
 )
-from ..flow.gate import reconcile
 from .exits import ExitStatus
 from .options import Streams, add_format
 

@@ -6,7 +6,7 @@ lease is over, and then the head is published again), and a flow key's task hold
 a slot of its key until then (or until the slot's lease is over). Celery tells the endings through several signals, some in
 the pool's child that ran the task, some in the worker's main process, and not the
 same in every release. This module is the one place that connects them; each
-receiver turns its signal into an :class:`~.core.Ending` (:func:`ending_after_run`,
+receiver turns its signal into an :class:`Ending` (:func:`ending_after_run`,
 :func:`ending_of_failure`, :func:`ending_of_revoke`) and hands a :class:`TaskEnd` to
 the recipients :func:`install` was given: the strict reporter
 (:mod:`celery_outbox.ordering.worker`), which settles the row as
@@ -48,6 +48,7 @@ it goes with the request.
 from __future__ import annotations
 
 import datetime
+import enum
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -71,9 +72,33 @@ from celery.signals import (
     task_unknown,
 )
 
-from ..flow.core import FLOW_HEADER, KEY_HEADER
-from ..ordering.core import Ending
-from ..ordering.options import HEADER, is_strict
+from ..flow_limits import FLOW_HEADER, KEY_HEADER
+from ..ordering_options import HEADER, is_strict
+
+
+class Ending(enum.Enum):
+    """How Celery ended one delivery of a task, as its worker's signals tell it.
+
+    This module turns each signal into one of these; the table of which signal
+    says what, in which process and Celery version, is above.
+    """
+
+    SUCCEEDED = "succeeded"  # the body returned
+    FAILED = "failed"  # the body raised, no retry left
+    RETRIED = "retried"  # self.retry()/autoretry, a retry after a lost worker, a cancel
+    REQUEUED = "requeued"  # Reject(requeue=True), a time limit's requeue (acks_late)
+    #: Reject(requeue=True) of a message acknowledged when its run began (no
+    #: ``acks_late``): Celery's reject does nothing, the message is gone.
+    NOT_REQUEUED = "not_requeued"
+    REJECTED = "rejected"  # Reject(requeue=False): the message is dropped
+    IGNORED = "ignored"  # Ignore: the task chose to record no state
+    REPLACED = "replaced"  # self.replace(): the replacement carries the task on
+    REVOKED = "revoked"  # revoked before it started
+    EXPIRED = "expired"  # its ``expires`` passed before it started
+    TERMINATED = "terminated"  # revoke(terminate=True) while it ran
+    TIMED_OUT = "timed_out"  # the hard time limit killed it
+    LOST = "lost"  # its worker process died under it (WorkerLostError)
+    REFUSED = "refused"  # the worker cannot run it (unknown task, invalid message)
 
 
 @dataclass(frozen=True)
@@ -83,7 +108,7 @@ class TaskEnd:
     ending: Ending
     task_id: str
     #: The delivered message's headers the outbox watches: the ordering header
-    #: (:data:`~celery_outbox.ordering.options.HEADER`), the flow and flow key.
+    #: (:data:`~celery_outbox.ordering_options.HEADER`), the flow and flow key.
     headers: Mapping[str, Any]
     #: What ended a failed task, as it is recorded: ``ValueError: text`` for the
     #: task's own exception, Celery's own wording for a rejection, a time limit or a

@@ -2,9 +2,8 @@
 the rows it published.
 
 A lane asks its gate before it publishes a claimed batch; the gate answers with an
-:class:`~celery_outbox.flow.core.Admission`: the rows to publish now, and the rows
-to put back (released: no attempt used, not an error), each with when it is due
-again. After the publish, the lane hands the gate the batch's settlement, and the
+:class:`Admission`: the rows to publish now, and the rows to put back (released: no
+attempt used, not an error), each with when it is due again. After the publish, the lane hands the gate the batch's settlement, and the
 gate applies what its policies keep of a published row: a strict head stays in the
 outbox, running, until its worker reports (strict ordering is a limit of one running
 task per key, whose order the claim keeps); a head that failed for good blocks its
@@ -16,16 +15,27 @@ settlement never learns of limits or ordering.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from ..envelope import StoredMessage
-from ..flow.core import Admission
-from ..ordering.core import ordered_settlement
-from ..outcomes import Settlement
+from ..outcomes import Decision, Settlement
 
 #: How long a published strict head stays running without its worker's report,
 #: unless the settings say (``CELERY_OUTBOX_STRICT_LEASE_SECONDS``).
 RUNNING_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A gate's answer for a claimed batch: what goes now, what goes back and when."""
+
+    admitted: tuple[StoredMessage, ...]
+    #: Released rows (no attempt used), each due again after its delay.
+    held: tuple[Decision, ...] = ()
+    #: Rows the gate put back itself (waiting for a slot of their key): the lane
+    #: settles nothing for them.
+    parked: tuple[int, ...] = ()
 
 
 class Gate(Protocol):
@@ -36,7 +46,7 @@ class Gate(Protocol):
         """The rows to publish now and the rows to release with their delays.
 
         ``token``: the claim's lease token, which fences the rows the gate puts
-        back itself (:attr:`~celery_outbox.flow.core.Admission.parked`); without
+        back itself (:attr:`Admission.parked`); without
         it, nothing is put back by the gate.
 
         Raises :class:`~celery_outbox.exceptions.OutboxDatabaseError` when its
@@ -51,22 +61,3 @@ class Gate(Protocol):
         gate's policies keep of them (a strict head held running, a failed head
         of a ``block`` key blocked)."""
         ...
-
-
-class KeyGate:
-    """Ordered keys' policy alone: no limit on publishing; a published strict head
-    stays running for ``running_seconds`` (or until its worker reports), and a head
-    that used up its attempts blocks a ``block`` key."""
-
-    def __init__(self, running_seconds: float = RUNNING_SECONDS) -> None:
-        self.running_seconds = running_seconds
-
-    def admit(self, messages: Sequence[StoredMessage], token: str = "") -> Admission:
-        """Every row, now."""
-        return Admission(tuple(messages))
-
-    def settled(
-        self, settlement: Settlement, published: Sequence[StoredMessage]
-    ) -> Settlement:
-        """Ordered keys' rows settled as :func:`~celery_outbox.ordering.core.ordered_settlement` says."""
-        return ordered_settlement(settlement, published, self.running_seconds)

@@ -18,9 +18,7 @@ from django.contrib import admin
 from django.http import HttpRequest
 
 from ..conf import get_settings
-from ..models import FlowState
-from ..store import outbox_stores
-from .core import (
+from ..flow_limits import (
     Limits,
     changeable,
     limits_in_force,
@@ -28,6 +26,8 @@ from .core import (
     rates_text,
     read_limits,
 )
+from ..models import FlowState
+from ..store import outbox_stores
 
 
 class FlowRatesForm(forms.ModelForm):  # type: ignore[type-arg]

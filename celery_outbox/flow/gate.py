@@ -5,7 +5,7 @@ one transaction decides and records how many may go: a reservation of the rates
 (:meth:`~celery_outbox.store.protocol.FlowStore.reserve`), or, for a flow with
 limits per key, a decision (:meth:`~celery_outbox.store.protocol.FlowStore.decide`)
 that also takes the keys' slots and puts back the rows whose key is at a limit.
-:func:`~.core.plan` picks the rows that go and paces the rest.
+:func:`plan` picks the rows that go and paces the rest.
 """
 
 from __future__ import annotations
@@ -16,21 +16,22 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from ..conf import OutboxSettings
-from ..engine.gate import RUNNING_SECONDS, Gate, KeyGate
+from ..engine.gate import RUNNING_SECONDS, Admission, Gate
 from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
-from ..outcomes import Settlement
-from ..store.protocol import FlowStore
-from .core import (
+from ..flow_limits import (
     FLOW_HEADER,
     KEY_HEADER,
-    Admission,
     Candidate,
     Decided,
     Flow,
+    behind_reason,
     flow_of,
-    plan,
+    held_reason,
 )
+from ..ordering.gate import KeyGate
+from ..outcomes import Action, Decision, Settlement
+from ..store.protocol import FlowStore
 
 logger = logging.getLogger("celery_outbox.flow")
 
@@ -126,7 +127,7 @@ class FlowGate(KeyGate):
 
     def _outlived(self, flow: Flow, queues: Sequence[str]) -> None:
         """Settle ``flow``'s unstarted slots past their lease by what ``queues``
-        hold now (:func:`~.core.outlived`): a task that waits in its queue keeps
+        hold now (:func:`~celery_outbox.flow_limits.outlived`): a task that waits in its queue keeps
         its slot however long it waits; one that left the queue unreported frees
         its own. A broker that cannot be asked now keeps them all another lease."""
         named = [queue for queue in queues if queue]
@@ -235,3 +236,50 @@ def reconcile(flows: Sequence[Flow], store: FlowStore) -> dict[str, int]:
             name,
         )
     return released
+
+
+def plan(
+    messages: Sequence[StoredMessage],
+    flow_name: Callable[[str], str | None],
+    decisions: Mapping[str, Decided],
+) -> Admission:
+    """Admit each flow's first ``granted`` free rows; hold the rest, paced.
+
+    The k-th held row of a flow is due again after ``wait + k * pace``: the rows come
+    back spread over the time the window frees, not all at once. A row waiting for
+    its key's slot was put back by the store. A row with an ordering key after a
+    held or waiting row of that key is held too (delay 0: the claim takes a key's
+    rows in order), so that holding never reorders a key.
+    """
+    go: set[int] = set()
+    late: dict[int, Decision] = {}
+    parked: set[int] = set()
+    for name, decided in decisions.items():
+        found = decided.grant
+        go.update(decided.free[: found.granted])
+        for index, row_id in enumerate(decided.free[found.granted :]):
+            delay = found.wait + index * found.pace
+            late[row_id] = Decision(
+                row_id, Action.RELEASE, delay, held_reason(name, found.rates)
+            )
+        parked.update(decided.waiting)
+    held: list[Decision] = []
+    stopped: set[str] = set()
+    admitted: list[StoredMessage] = []
+    for message in sorted(messages, key=lambda m: m.id):
+        key = message.envelope.ordering_key
+        if message.id in parked:
+            if key is not None:
+                stopped.add(key)
+            continue
+        if key is not None and key in stopped:
+            held.append(Decision(message.id, Action.RELEASE, 0.0, behind_reason(key)))
+            continue
+        if message.id in late:
+            held.append(late[message.id])
+            if key is not None:
+                stopped.add(key)
+            continue
+        if flow_name(message.envelope.task_name) is None or message.id in go:
+            admitted.append(message)
+    return Admission(tuple(admitted), tuple(held), tuple(sorted(parked)))

@@ -29,10 +29,9 @@ from celery.signals import task_prerun
 
 from ..conf import get_settings
 from ..engine import endings, reports
-from ..engine.endings import TaskEnd, watched_headers
+from ..engine.endings import Ending, TaskEnd, watched_headers
 from ..engine.reports import REPORTER, Write
-from ..ordering.core import Ending
-from .core import FLOW_HEADER, KEY_HEADER, Flow
+from ..flow_limits import FLOW_HEADER, KEY_HEADER, Flow
 
 logger = logging.getLogger("celery_outbox.flow")
 

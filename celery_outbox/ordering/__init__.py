@@ -8,12 +8,14 @@
 * Head-of-line policy (``ordering_policy="block"`` or ``"skip"``) for a head that
   fails for good; coalescing (``coalesce=True`` or ``coalesce_key=``).
 
-The pure decisions are in :mod:`.core`, the call options in :mod:`.options`, the
-SQL in :mod:`celery_outbox.store.ordering`. See docs/ordering.md.
+The pure decisions are in :mod:`.core`, the gate that applies them in :mod:`.gate`,
+the call options in :mod:`celery_outbox.ordering_options` (below the stores and the
+engine, which read them), the SQL and the claim's run of a key in
+:mod:`celery_outbox.store.ordering`. See docs/ordering.md.
 """
 
 from __future__ import annotations
 
-from .options import HEADER, Ordering, Policy
+from ..ordering_options import HEADER, Ordering, Policy
 
 __all__ = ["HEADER", "Ordering", "Policy"]

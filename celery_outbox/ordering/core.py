@@ -2,8 +2,6 @@
 
 * :func:`ordered_settlement`: what becomes of a batch's keyed rows after publishing
   (a strict head is held, a failed head of a ``block`` key is blocked);
-* :func:`run_length`: how many rows of one key a claim may take after its head;
-* :func:`superseded`: which claimed rows coalescing drops;
 * :func:`report_for`: how a worker settles a strict head for each way its task ended.
 """
 
@@ -11,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
+from ..engine.endings import Ending
 from ..envelope import StoredMessage
+from ..ordering_options import UNORDERED, Ordering, Policy
 from ..outcomes import Action, Decision, Settlement
-from .options import UNORDERED, Ordering, Policy
 
 
 def ordering_of(message: StoredMessage) -> Ordering:
@@ -65,65 +63,6 @@ def ordered_settlement(
         ),
         block=settlement.block + tuple(blocked),
     )
-
-
-@dataclass(frozen=True)
-class Follower:
-    """A row of a key after the claimed head, in id order, as the claim sees it."""
-
-    #: Due and in no ordering state (not running, not blocked).
-    ready: bool
-    strict: bool
-
-
-def run_length(followers: Iterable[Follower], room: int) -> int:
-    """How many of a head's followers (id order) the same claim may take, at most ``room``.
-
-    The run stops before the first row that is not ready, and after a strict row: the
-    row after a strict one waits until that one has run.
-    """
-    taken = 0
-    for follower in followers:
-        if taken >= room or not follower.ready:
-            break
-        taken += 1
-        if follower.strict:
-            break
-    return taken
-
-
-def superseded(
-    claimed: Iterable[tuple[int, str, str]], newest: Mapping[tuple[str, str], int]
-) -> frozenset[int]:
-    """The claimed rows (id, key, task name) that a newer row of their group replaces."""
-    return frozenset(
-        row_id for row_id, key, task in claimed if newest.get((key, task), 0) > row_id
-    )
-
-
-class Ending(enum.Enum):
-    """How Celery ended one delivery of a task, as its worker's signals tell it.
-
-    :mod:`celery_outbox.engine.endings` turns each signal into one of these; the
-    table of which signal says what, in which process and Celery version, is there.
-    """
-
-    SUCCEEDED = "succeeded"  # the body returned
-    FAILED = "failed"  # the body raised, no retry left
-    RETRIED = "retried"  # self.retry()/autoretry, a retry after a lost worker, a cancel
-    REQUEUED = "requeued"  # Reject(requeue=True), a time limit's requeue (acks_late)
-    #: Reject(requeue=True) of a message acknowledged when its run began (no
-    #: ``acks_late``): Celery's reject does nothing, the message is gone.
-    NOT_REQUEUED = "not_requeued"
-    REJECTED = "rejected"  # Reject(requeue=False): the message is dropped
-    IGNORED = "ignored"  # Ignore: the task chose to record no state
-    REPLACED = "replaced"  # self.replace(): the replacement carries the task on
-    REVOKED = "revoked"  # revoked before it started
-    EXPIRED = "expired"  # its ``expires`` passed before it started
-    TERMINATED = "terminated"  # revoke(terminate=True) while it ran
-    TIMED_OUT = "timed_out"  # the hard time limit killed it
-    LOST = "lost"  # its worker process died under it (WorkerLostError)
-    REFUSED = "refused"  # the worker cannot run it (unknown task, invalid message)
 
 
 class Report(enum.Enum):

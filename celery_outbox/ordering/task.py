@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore
 
 from ..engine.endings import Replaced, watched_headers
-from .options import is_strict
+from ..ordering_options import is_strict
 
 #: Task attributes that become call options when the call has a key.
 DEFAULTS = ("ordering", "ordering_policy", "coalesce")

@@ -26,9 +26,9 @@ from ..engine import endings, reports
 from ..engine.endings import TaskEnd
 from ..engine.reports import REPORTER
 from ..exceptions import OutboxDatabaseError
+from ..ordering_options import Ordering, is_strict
 from ..store import OrderingStore
 from .core import Report, report_for
-from .options import Ordering, is_strict
 
 logger = logging.getLogger("celery_outbox.ordering")
 

@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..broker import Publisher, describe
-from ..engine.gate import Gate, KeyGate
+from ..engine.gate import Gate
 from ..engine.heartbeat import Heartbeat
 from ..engine.loop import Left, Loop, Pacing, Turn, WakeupSource
 from ..engine.observations import LoopError, StopReason, notify
 from ..engine.waiter import Waiter
 from ..envelope import StoredMessage
 from ..exceptions import OutboxDatabaseError
+from ..ordering.gate import KeyGate
 from ..outcomes import Action, Decision, Outcome, PublishResult, Settlement
 from ..store import Claim, RelayStore, SettleReport
 from .config import RelayConfig

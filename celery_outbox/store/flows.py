@@ -2,7 +2,7 @@
 
 :meth:`FlowQueries.reserve` is the gate's one transaction per flow and batch: lock
 the flow's row (relays take turns per flow), read how much of each rate's window the
-records use, decide with :func:`~celery_outbox.flow.core.grant`, record what will be
+records use, decide with :func:`~celery_outbox.flow_limits.grant`, record what will be
 published -- before it is sent, so that a relay killed mid-batch can only have
 counted too much -- and delete the records past the longest window. Every time is
 the database's, taken by the statements that run after the lock is held.
@@ -18,7 +18,7 @@ from typing import Any
 
 from django.db import transaction
 
-from ..flow.core import (
+from ..flow_limits import (
     HELD_PREFIX,
     Candidate,
     Decided,
@@ -380,7 +380,7 @@ class FlowQueries(StoreBase):
 
     def outlived(self, flow: Flow, depths: Mapping[str, int] | None) -> int:
         """Settle ``flow``'s unstarted slots past their lease by what their queues
-        hold (``depths``, by :func:`~celery_outbox.flow.core.outlived`): a slot
+        hold (``depths``, by :func:`~celery_outbox.flow_limits.outlived`): a slot
         whose task still waits stays, its lease from now; the others free, and a
         parked row of the key is woken for each; how many freed."""
         now = self.dialect.now()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..flow.core import HELD_PREFIX
+from ..flow_limits import HELD_PREFIX
 from ..states import BLOCKED, PARKED, RUNNING
 from .dialects import MESSAGE_TABLE, Dialect
 from .types import Leftover

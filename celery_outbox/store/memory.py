@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..envelope import Envelope, StoredMessage
-from ..flow.core import HELD_PREFIX
+from ..flow_limits import HELD_PREFIX
 from ..outcomes import Decision, Settlement
 from ..text import storable
 from .types import Claim, Leftover, SettleReport

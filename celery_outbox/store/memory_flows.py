@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..flow.core import (
+from ..flow_limits import (
     Candidate,
     Decided,
     Flow,

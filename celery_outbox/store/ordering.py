@@ -9,7 +9,7 @@ the operator's actions on a blocked head, and the statistics.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -17,8 +17,7 @@ from typing import Any
 from django.db import transaction
 
 from ..envelope import load_json
-from ..ordering.core import Follower, run_length, superseded
-from ..ordering.options import HEADER, ROW_FLAG, UNORDERED, Ordering, Policy
+from ..ordering_options import HEADER, ROW_FLAG, UNORDERED, Ordering, Policy
 from ..outcomes import Decision
 from ..text import storable
 from .base import StoreBase
@@ -32,6 +31,41 @@ from .dialects import (
 )
 
 logger = logging.getLogger("celery_outbox.store")
+
+
+@dataclass(frozen=True)
+class Follower:
+    """A row of a key after the claimed head, in id order, as the claim sees it."""
+
+    #: Due and in no ordering state (not running, not blocked).
+    ready: bool
+    strict: bool
+
+
+def run_length(followers: Iterable[Follower], room: int) -> int:
+    """How many of a head's followers (id order) the same claim may take, at most ``room``.
+
+    The run stops before the first row that is not ready, and after a strict row: the
+    row after a strict one waits until that one has run.
+    """
+    taken = 0
+    for follower in followers:
+        if taken >= room or not follower.ready:
+            break
+        taken += 1
+        if follower.strict:
+            break
+    return taken
+
+
+def superseded(
+    claimed: Iterable[tuple[int, str, str]], newest: Mapping[tuple[str, str], int]
+) -> frozenset[int]:
+    """The claimed rows (id, key, task name) that a newer row of their group replaces."""
+    return frozenset(
+        row_id for row_id, key, task in claimed if newest.get((key, task), 0) > row_id
+    )
+
 
 RUNNING = "running"
 BLOCKED = "blocked"

@@ -31,8 +31,8 @@ from .types import (
 
 if TYPE_CHECKING:
     from ..envelope import Envelope
-    from ..flow.core import Candidate, Decided, Flow, FlowStats, Grant, Limits, Rate
-    from ..ordering.options import Policy
+    from ..flow_limits import Candidate, Decided, Flow, FlowStats, Grant, Limits, Rate
+    from ..ordering_options import Policy
     from .events import DeadEvent
     from .history import MessageTrace
     from .ordering import BlockedHead, OrderingStats

@@ -15,7 +15,8 @@ from typing import Protocol
 import pytest
 
 from celery_outbox.envelope import Envelope, StoredMessage
-from celery_outbox.flow.core import (
+from celery_outbox.flow.gate import candidate
+from celery_outbox.flow_limits import (
     KEY_HEADER,
     Decided,
     Flow,
@@ -24,7 +25,6 @@ from celery_outbox.flow.core import (
     parse_limits,
     parse_rate,
 )
-from celery_outbox.flow.gate import candidate
 from celery_outbox.store import FlowStore
 
 from ..integration.builders import envelope

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from celery_outbox.envelope import Envelope
 from celery_outbox.ordering.core import ordered_settlement
-from celery_outbox.ordering.options import Policy
+from celery_outbox.ordering_options import Policy
 from celery_outbox.outcomes import Settlement
 from celery_outbox.store import (
     DedupStore,

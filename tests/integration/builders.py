@@ -9,7 +9,7 @@ from typing import Any
 from django.db import connections
 
 from celery_outbox.envelope import Envelope
-from celery_outbox.ordering.options import HEADER
+from celery_outbox.ordering_options import HEADER
 from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.observations import StopReason

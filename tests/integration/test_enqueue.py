@@ -396,7 +396,7 @@ def test_an_app_dropped_but_not_yet_collected_does_not_make_the_choice_ambiguous
 def test_ordering_options_reach_the_row_and_the_headers_task_defaults_included() -> (
     None
 ):
-    from celery_outbox.ordering.options import HEADER
+    from celery_outbox.ordering_options import HEADER
     from tests.project.shop.tasks import ordered
 
     with transaction.atomic():

@@ -27,7 +27,7 @@ from celery_outbox.handlers.registry import Category, registry
 from celery_outbox.inbox.models import InboxEntry
 from celery_outbox.models import DedupKey, FlowSlot
 from celery_outbox.ordering.core import ordered_settlement
-from celery_outbox.ordering.options import HEADER
+from celery_outbox.ordering_options import HEADER
 from celery_outbox.outcomes import Settlement
 from celery_outbox.store import Stores
 from tests.project.shop.models import TaskRun

@@ -16,8 +16,8 @@ from django.test import override_settings
 
 from celery_outbox.cli.exits import ExitStatus
 from celery_outbox.conf import get_settings
-from celery_outbox.flow.core import KEY_HEADER
 from celery_outbox.flow.gate import candidate
+from celery_outbox.flow_limits import KEY_HEADER
 from celery_outbox.store import Stores
 
 from .builders import envelope

@@ -11,7 +11,7 @@ import pytest
 from django.db import transaction
 
 from celery_outbox.exceptions import OutboxValueError
-from celery_outbox.flow.core import FLOW_HEADER, KEY_HEADER
+from celery_outbox.flow_limits import FLOW_HEADER, KEY_HEADER
 from celery_outbox.models import OutboxMessage
 from tests.project.shop.tasks import add, record
 

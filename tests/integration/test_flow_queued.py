@@ -26,8 +26,8 @@ from celery_outbox.broker.amqp import AmqpPublisher
 from celery_outbox.broker.base import queue_depth
 from celery_outbox.broker.redis import RedisPublisher
 from celery_outbox.conf import OutboxSettings
-from celery_outbox.flow.core import KEY_HEADER, Flow, parse_limits
 from celery_outbox.flow.gate import FlowGate
+from celery_outbox.flow_limits import KEY_HEADER, Flow, parse_limits
 from celery_outbox.models import OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay

@@ -13,7 +13,7 @@ from django.db import connections, transaction
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
-from celery_outbox.ordering.options import Policy
+from celery_outbox.ordering_options import Policy
 from celery_outbox.outcomes import Action, Decision, Settlement
 from celery_outbox.store import Stores
 from celery_outbox.store.store import RelayQueries

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.test import override_settings
 
 from celery_outbox.cli.exits import ExitStatus
-from celery_outbox.flow.core import KEY_HEADER
+from celery_outbox.flow_limits import KEY_HEADER
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.store import Stores
 from tests.proxy import closed_port

@@ -35,7 +35,7 @@ from celery_outbox.envelope import StoredMessage
 from celery_outbox.flow.gate import FlowGate
 from celery_outbox.models import DeadLetter, FlowSlot, OutboxMessage
 from celery_outbox.ordering.core import ordered_settlement
-from celery_outbox.ordering.options import Ordering
+from celery_outbox.ordering_options import Ordering
 from celery_outbox.outcomes import Settlement
 from celery_outbox.store import RelayStore, Stores
 from celery_outbox.store.notify import CHANNEL

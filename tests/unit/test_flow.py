@@ -17,12 +17,12 @@ from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.checks import check_settings
 from celery_outbox.cli.flows import changed_limits
 from celery_outbox.conf import load_settings
-from celery_outbox.engine.gate import KeyGate
 from celery_outbox.engine.loop import Turn
 from celery_outbox.engine.observations import LoopError
 from celery_outbox.envelope import Envelope, StoredMessage
 from celery_outbox.exceptions import OutboxConfigurationError, OutboxDatabaseError
-from celery_outbox.flow.core import (
+from celery_outbox.flow.gate import FlowGate, gate_for, plan
+from celery_outbox.flow_limits import (
     FLOW_HEADER,
     KEY_HEADER,
     Candidate,
@@ -36,11 +36,10 @@ from celery_outbox.flow.core import (
     limits_in_force,
     parse_limits,
     parse_rate,
-    plan,
     read_limits,
     use_of,
 )
-from celery_outbox.flow.gate import FlowGate, gate_for
+from celery_outbox.ordering.gate import KeyGate
 from celery_outbox.outcomes import Action, Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.core import RetryPolicy

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
-from celery_outbox.flow.core import FLOW_HEADER, KEY_HEADER
 from celery_outbox.flow.worker import unreported
+from celery_outbox.flow_limits import FLOW_HEADER, KEY_HEADER
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -45,12 +45,12 @@ PLACES = {
     "celery_outbox.scheduling": "values",
     "celery_outbox.states": "values",
     "celery_outbox.text": "values",
-    # Ordered keys' options and head rule: values the store's claim applies.
-    "celery_outbox.ordering.core": "values",
-    "celery_outbox.ordering.options": "values",
-    # Flow control's rates and decisions: values the gate and its store apply.
-    "celery_outbox.flow": "values",
-    "celery_outbox.flow.core": "values",
+    # Ordered keys' options and their header: values the enqueue writes, the
+    # store's claim and the worker's endings read.
+    "celery_outbox.ordering_options": "values",
+    # Flow control's rates, limits and decisions: values the settings, the flow
+    # store and the worker's endings read, and the flow lane applies.
+    "celery_outbox.flow_limits": "values",
     # Stores and brokers: every read and write of the tables, every broker call.
     "celery_outbox.backends": "stores",
     "celery_outbox.broker": "stores",
@@ -63,11 +63,9 @@ PLACES = {
     "celery_outbox.handlers.models": "stores",
     # The engine of leased work, and the gate that limits what a lane publishes.
     "celery_outbox.engine": "engine",
-    "celery_outbox.flow.gate": "engine",
-    # A flow key's slots, started and freed by the worker's reports.
-    "celery_outbox.flow.worker": "lanes",
     # Lanes, and what observes them.
     "celery_outbox.events": "lanes",
+    "celery_outbox.flow": "lanes",
     "celery_outbox.handlers": "lanes",
     "celery_outbox.inbox": "lanes",
     "celery_outbox.metrics": "lanes",
@@ -269,24 +267,6 @@ TREES = (PACKAGE, ROOT / "bench")
 #: whose old spelling goes) when it is mended; then its entry goes too
 #: (test_every_allowed_circle_still_closes_one says when).
 ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
-    # Values every layer needs, still in the lanes' folders (flow.core, ordering.core
-    # and ordering.options): settings, the engine and the stores import them there.
-    ("celery_outbox.conf", "celery_outbox.flow.core"): "settings build Flow values",
-    ("celery_outbox.engine.gate", "celery_outbox.flow.core"): "the gate's Admission",
-    ("celery_outbox.engine.gate", "celery_outbox.ordering.core"): "the head rule",
-    ("celery_outbox.engine.endings", "celery_outbox.flow.core"): "flows' settlement",
-    ("celery_outbox.engine.endings", "celery_outbox.ordering.core"): "keys' settlement",
-    ("celery_outbox.engine.endings", "celery_outbox.ordering.options"): "policies",
-    ("celery_outbox.store.ordering", "celery_outbox.ordering.core"): "the head rule",
-    ("celery_outbox.store.ordering", "celery_outbox.ordering.options"): "policies",
-    ("celery_outbox.store.protocol", "celery_outbox.ordering.options"): "policies",
-    ("celery_outbox.flow.worker", "celery_outbox.ordering.core"): "keys' settlement",
-    # The engine's reporter and heartbeat name the stores they write through.
-    ("celery_outbox.engine.reports", "celery_outbox.store"): "the reporter's stores",
-    ("celery_outbox.engine.heartbeat", "celery_outbox.store.protocol"): "its store",
-    # The flow gate and its admin reach the stores from the lanes' folder.
-    ("celery_outbox.flow.gate", "celery_outbox.store.protocol"): "the gate's store",
-    ("celery_outbox.flow.admin", "celery_outbox.store"): "the admin's store",
     # Observers read the relay's observations instead of subscribing to them, and
     # the relay's runner and on-commit publisher reach up for them and for the app.
     ("celery_outbox.contrib.otel", "celery_outbox.relay.observations"): "OpenTelemetry",

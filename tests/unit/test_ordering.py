@@ -14,6 +14,7 @@ from celery.exceptions import (
 )
 
 from celery_outbox.engine.endings import (
+    Ending,
     Replaced,
     ending_after_run,
     ending_of_failure,
@@ -21,17 +22,10 @@ from celery_outbox.engine.endings import (
 )
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.exceptions import OutboxValueError
-from celery_outbox.ordering.core import (
-    Ending,
-    Follower,
-    Report,
-    ordered_settlement,
-    report_for,
-    run_length,
-    superseded,
-)
-from celery_outbox.ordering.options import HEADER, Ordering, Policy, pop_options
+from celery_outbox.ordering.core import Report, ordered_settlement, report_for
+from celery_outbox.ordering_options import HEADER, Ordering, Policy, pop_options
 from celery_outbox.outcomes import Action, Decision, Settlement
+from celery_outbox.store.ordering import Follower, run_length, superseded
 from tests.integration.builders import envelope
 
 

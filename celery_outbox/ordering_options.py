@@ -14,8 +14,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..exceptions import OutboxValueError
-from ..text import check_text
+from .exceptions import OutboxValueError
+from .text import check_text
 
 #: The message header that carries the non-default options: ``strict,skip,coalesce``,
 #: and a strict row's token (``row=<32 hex digits>``).

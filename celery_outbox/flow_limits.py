@@ -1,12 +1,16 @@
-"""Flow decisions, as pure functions over values (no database, no clock).
+"""Flow control's values: a flow's rates and limits per key, and the decisions over
+them, as pure functions (no database, no clock). The settings, the stores and the
+engine read them; the flow lane (:mod:`celery_outbox.flow`) applies them.
 
 * :func:`parse_rate` and :func:`parse_flows`: ``CELERY_OUTBOX_FLOWS`` read and checked;
 * :func:`use_of`: how much of one rate's sliding window the publish records use;
 * :func:`grant`: how many of the wanted rows the rates let through now, and when
   the window takes more;
 * :func:`by_key`: which rows of a flow's keys their limits let go now, round-robin
-  between the keys, and which wait for a slot of their key;
-* :func:`plan`: which claimed rows go to the broker and which go back, with when.
+  between the keys, and which wait for a slot of their key.
+
+Which claimed rows go to the broker and which go back, with when, is the flow
+gate's :func:`~celery_outbox.flow.gate.plan`.
 """
 
 from __future__ import annotations
@@ -15,13 +19,10 @@ import ast
 import functools
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
-
-from ..envelope import StoredMessage
-from ..outcomes import Action, Decision
 
 #: The window of each unit a rate may name, in seconds.
 UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -622,63 +623,6 @@ class Decided:
     overdue: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Admission:
-    """A gate's answer for a claimed batch: what goes now, what goes back and when."""
-
-    admitted: tuple[StoredMessage, ...]
-    #: Released rows (no attempt used), each due again after its delay.
-    held: tuple[Decision, ...] = ()
-    #: Rows the gate put back itself (waiting for a slot of their key): the lane
-    #: settles nothing for them.
-    parked: tuple[int, ...] = ()
-
-
-def plan(
-    messages: Sequence[StoredMessage],
-    flow_name: Callable[[str], str | None],
-    decisions: Mapping[str, Decided],
-) -> Admission:
-    """Admit each flow's first ``granted`` free rows; hold the rest, paced.
-
-    The k-th held row of a flow is due again after ``wait + k * pace``: the rows come
-    back spread over the time the window frees, not all at once. A row waiting for
-    its key's slot was put back by the store. A row with an ordering key after a
-    held or waiting row of that key is held too (delay 0: the claim takes a key's
-    rows in order), so that holding never reorders a key.
-    """
-    go: set[int] = set()
-    late: dict[int, Decision] = {}
-    parked: set[int] = set()
-    for name, decided in decisions.items():
-        found = decided.grant
-        go.update(decided.free[: found.granted])
-        for index, row_id in enumerate(decided.free[found.granted :]):
-            delay = found.wait + index * found.pace
-            late[row_id] = Decision(row_id, Action.RELEASE, delay, _held(name, found))
-        parked.update(decided.waiting)
-    held: list[Decision] = []
-    stopped: set[str] = set()
-    admitted: list[StoredMessage] = []
-    for message in sorted(messages, key=lambda m: m.id):
-        key = message.envelope.ordering_key
-        if message.id in parked:
-            if key is not None:
-                stopped.add(key)
-            continue
-        if key is not None and key in stopped:
-            held.append(Decision(message.id, Action.RELEASE, 0.0, _behind(key)))
-            continue
-        if message.id in late:
-            held.append(late[message.id])
-            if key is not None:
-                stopped.add(key)
-            continue
-        if flow_name(message.envelope.task_name) is None or message.id in go:
-            admitted.append(message)
-    return Admission(tuple(admitted), tuple(held), tuple(sorted(parked)))
-
-
 #: How the reason a flow records on every row it holds back begins: the store
 #: counts these rows as held, not unsent (:class:`~celery_outbox.store.types.Leftover`).
 HELD_PREFIX = "held "
@@ -689,10 +633,20 @@ def waiting_reason(flow: str, key: str) -> str:
     return f"waiting for a slot of key {key!r} in flow {flow!r}"
 
 
+def held_reason(flow: str, rates: Iterable[Rate]) -> str:
+    """The ``last_error`` of a row a flow's ``rates`` hold back."""
+    return f"{HELD_PREFIX}by flow {flow!r} ({rates_text(rates)})"
+
+
+def behind_reason(key: str) -> str:
+    """The ``last_error`` of a row held behind a held row of its ordering key."""
+    return f"{HELD_PREFIX}behind the held row before it in ordering key {key!r}"
+
+
 def holder(reason: str, key: str | None) -> str | None:
     """The flow a row's ``last_error`` says parked it (``key``: its ``flow_key``)
     or, with no key, held it by its rates; None when it names none. The reverse of
-    :func:`waiting_reason` and of a held row's reason: the name is the ``repr``
+    :func:`waiting_reason` and :func:`held_reason`: the name is the ``repr``
     they wrote (a rate's text has no parenthesis, so the last ``" ("`` ends it)."""
     if key is not None:
         prefix = f"waiting for a slot of key {key!r} in flow "
@@ -742,14 +696,6 @@ def stale(
         ):
             found.append(row)
     return tuple(found)
-
-
-def _held(name: str, found: Grant) -> str:
-    return f"{HELD_PREFIX}by flow {name!r} ({rates_text(found.rates)})"
-
-
-def _behind(key: str) -> str:
-    return f"{HELD_PREFIX}behind the held row before it in ordering key {key!r}"
 
 
 @dataclass(frozen=True)
