@@ -98,7 +98,6 @@ PLACES = {
     "celery_outbox.flow.admin": "top",
     "celery_outbox.pytest_plugin": "top",
     "celery_outbox.revoke": "top",
-    "celery_outbox.relay.runner": "top",
     "celery_outbox.tasks": "top",
     "celery_outbox.testing": "top",
 }
@@ -287,14 +286,6 @@ ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
     # The flow gate and its admin reach the stores from the lanes' folder.
     ("celery_outbox.flow.gate", "celery_outbox.store.protocol"): "the gate's store",
     ("celery_outbox.flow.admin", "celery_outbox.store"): "the admin's store",
-    # Observers read the relay's observations instead of subscribing to them, and
-    # the relay's runner and on-commit publisher reach up for them and for the app.
-    ("celery_outbox.contrib.otel", "celery_outbox.relay.observations"): "OpenTelemetry",
-    ("celery_outbox.contrib.sentry", "celery_outbox.relay.observations"): "Sentry",
-    ("celery_outbox.relay.runner", "celery_outbox.metrics"): "the runner's metrics",
-    ("celery_outbox.relay.runner", "celery_outbox.signals"): "the runner's signals",
-    ("celery_outbox.relay.oncommit", "celery_outbox.signals"): "on-commit signals",
-    ("celery_outbox.relay.runner", "celery_outbox.app"): "the runner's app",
     # Lanes reach up for the app instead of being handed it.
     ("celery_outbox.events.commands", "celery_outbox.app"): "events' commands",
     ("celery_outbox.inbox.checks", "celery_outbox.app"): "the inbox's checks",
