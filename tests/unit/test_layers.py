@@ -85,12 +85,10 @@ PLACES = {
     "celery_outbox.cli": "top",
     "celery_outbox.contrib": "top",
     "celery_outbox.enqueue": "top",
-    "celery_outbox.events.commands": "top",
     "celery_outbox.handlers.admin": "top",
     "celery_outbox.handlers.apps": "top",
     "celery_outbox.history_admin": "top",
     "celery_outbox.inbox.apps": "top",
-    "celery_outbox.inbox.checks": "top",
     "celery_outbox.inspection": "top",
     "celery_outbox.management": "top",
     "celery_outbox.operations": "top",
@@ -286,9 +284,6 @@ ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
     # The flow gate and its admin reach the stores from the lanes' folder.
     ("celery_outbox.flow.gate", "celery_outbox.store.protocol"): "the gate's store",
     ("celery_outbox.flow.admin", "celery_outbox.store"): "the admin's store",
-    # Lanes reach up for the app instead of being handed it.
-    ("celery_outbox.events.commands", "celery_outbox.app"): "events' commands",
-    ("celery_outbox.inbox.checks", "celery_outbox.app"): "the inbox's checks",
 }
 
 
