@@ -30,7 +30,6 @@ from kombu.serialization import dumps
 
 from .broker.amqpcodec import amqp_problem
 from .conf import OutboxSettings, OutsideTransaction, get_settings
-from .contrib.logcontext import capture_log_context
 from .durations import is_seconds
 from .envelope import Envelope, JsonObject, dump_json
 from .exceptions import (
@@ -42,6 +41,7 @@ from .exceptions import (
 from .flow.core import FLOW_HEADER, KEY_HEADER, check_key, flow_of
 from .ordering.options import HEADER as ORDERING_HEADER
 from .ordering.options import OPTION_NAMES, pop_options
+from .propagation import OTEL_TRACE_MODULE, add_trace_headers, capture_log_context
 from .queues import cached_queue_spec
 from .scheduling import schedule
 from .signals import send_created
@@ -314,8 +314,6 @@ class CapturingProducer:
             properties["reply_to"] = properties["reply_to"].name
         if OTEL_TRACE_MODULE in sys.modules:
             # Adds trace headers only where no instrumentation already did.
-            from .contrib.otel import add_trace_headers
-
             add_trace_headers(headers)
         task_name = str(headers.get("task", ""))
         ordering = pop_options(ordering_given, task_name)
@@ -413,9 +411,6 @@ def refuse_for_amqp(task_name: str, problem: str | None) -> None:
 #: Outside a transaction, a group member that comes this long after the one before
 #: it (the group is built by a slow generator) is written at once, with those before.
 GROUP_PAUSE_SECONDS = 0.1
-
-#: Present in ``sys.modules`` once the application uses OpenTelemetry.
-OTEL_TRACE_MODULE = "opentelemetry.trace"
 
 
 def flow_headers(

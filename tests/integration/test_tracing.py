@@ -42,11 +42,7 @@ from sentry_sdk.transport import Transport
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.cli.runner import build_relay
 from celery_outbox.conf import get_settings
-from celery_outbox.contrib.logcontext import (
-    bound_log_context,
-    capture_log_context,
-    structlog_available,
-)
+from celery_outbox.contrib.logcontext import bound_log_context, structlog_available
 from celery_outbox.contrib.otel import OtelRelayTracing
 from celery_outbox.contrib.sentry import SentryRelayTracing
 from celery_outbox.envelope import EMPTY_LOG_CONTEXT, StoredMessage, load_json
@@ -59,6 +55,7 @@ from celery_outbox.outcomes import (
     PublishResult,
     Settlement,
 )
+from celery_outbox.propagation import capture_log_context
 from celery_outbox.relay.logs import FailureLog
 from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.observations import BreakerOpened, LoopError
@@ -683,7 +680,8 @@ def test_core_works_without_the_optional_libraries() -> None:
         django.setup()
         import celery_outbox.app, celery_outbox.enqueue, celery_outbox.cli.runner
         from celery_outbox.conf import get_settings
-        from celery_outbox.contrib.logcontext import capture_log_context, structlog_available
+        from celery_outbox.contrib.logcontext import structlog_available
+        from celery_outbox.propagation import capture_log_context
         from celery_outbox.cli.runner import tracing_hooks
         assert tracing_hooks("amqp") == []
         assert not structlog_available()

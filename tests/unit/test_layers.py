@@ -40,6 +40,8 @@ PLACES = {
     "celery_outbox.exceptions": "values",
     "celery_outbox.outcomes": "values",
     "celery_outbox.progress": "values",
+    # What the enqueue takes from the caller's context (structlog, OpenTelemetry).
+    "celery_outbox.propagation": "values",
     "celery_outbox.queues": "values",
     "celery_outbox.redaction": "values",
     "celery_outbox.scheduling": "values",
