@@ -69,6 +69,7 @@ PLACES = {
     # A flow key's slots, started and freed by the worker's reports.
     "celery_outbox.flow.worker": "lanes",
     # Lanes, and what observes them.
+    "celery_outbox.enqueue": "lanes",
     "celery_outbox.events": "lanes",
     "celery_outbox.handlers": "lanes",
     "celery_outbox.inbox": "lanes",
@@ -86,7 +87,6 @@ PLACES = {
     "celery_outbox.checks": "top",
     "celery_outbox.cli": "top",
     "celery_outbox.contrib": "top",
-    "celery_outbox.enqueue": "top",
     "celery_outbox.handlers.admin": "top",
     "celery_outbox.handlers.apps": "top",
     "celery_outbox.history_admin": "top",
@@ -103,15 +103,7 @@ PLACES = {
 }
 
 #: Imports that go upward for now, each with its reason: (importer, imported) -> why.
-ALLOWED: dict[tuple[str, str], str] = {
-    # A held event retry is written by the enqueue path's producer, so it is
-    # serialized exactly as its first send was. The capture moves under the lanes
-    # when the lanes are restructured on the engine.
-    ("celery_outbox.events.held", "celery_outbox.enqueue"): "retry via the enqueue",
-    # Handler messages share the enqueue path's transaction guard; the handler
-    # outbox is being rebuilt as a lane on the engine, with the guard beside it.
-    ("celery_outbox.handlers.emit", "celery_outbox.enqueue"): "the guard, for now",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
