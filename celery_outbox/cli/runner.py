@@ -24,7 +24,7 @@ from ..engine.heartbeat import Heartbeat, new_member_id
 from ..engine.waiter import Waiter
 from ..exceptions import OutboxDatabaseError
 from ..flow.gate import gate_for, reconcile
-from ..metrics import RelayMetrics, configured_sinks
+from ..metrics import RelayMetrics
 from ..relay.config import RelayConfig
 from ..relay.listener import PgNotifyListener
 from ..relay.logs import FailureLog
@@ -33,6 +33,7 @@ from ..relay.observations import Observer, TracingHook, log_observation
 from ..relay.probe import broker_location, probe_broker, probe_database
 from ..relay.sent import sent_event_observers
 from ..signals import send_relay_signals
+from ..sinks import configured_sinks
 from ..store import outbox_stores
 
 logger = logging.getLogger("celery_outbox.relay")

@@ -57,6 +57,9 @@ PLACES = {
     "celery_outbox.backends": "stores",
     "celery_outbox.broker": "stores",
     "celery_outbox.collation": "stores",
+    # Where metrics go (StatsD, Prometheus): the relay's and the processor's observers
+    # report to them.
+    "celery_outbox.sinks": "stores",
     "celery_outbox.migrations": "stores",
     "celery_outbox.models": "stores",
     "celery_outbox.store": "stores",
