@@ -35,8 +35,8 @@ def relay() -> int:
     from celery_outbox.broker.amqp import AmqpPublisher
     from celery_outbox.broker.amqpframes import PublishEncoder
     from celery_outbox.broker.redis import RedisPublisher
+    from celery_outbox.cli.runner import build_relay
     from celery_outbox.conf import get_settings
-    from celery_outbox.relay.runner import build_relay
 
     settings = get_settings()
     publisher = build_publisher(resolve_app(settings), settings)

@@ -650,8 +650,8 @@ def profile_drain(kind: str, envelopes: Sequence[Any], brokers: Brokers) -> str:
     """cProfile of an in-process relay draining the table; the top costs as text."""
     from bench.celery import plain_app
     from celery_outbox.broker import build_publisher
+    from celery_outbox.cli.runner import build_relay
     from celery_outbox.conf import get_settings
-    from celery_outbox.relay.runner import build_relay
 
     settings = get_settings()
     brokers.purge(kind)

@@ -165,8 +165,8 @@ class TimedStore:
 def relay() -> int:
     """``python -m bench.soak relay``: one relay until SIGTERM, timing its store."""
     env.setup_django()
+    from celery_outbox.cli.runner import build_relay
     from celery_outbox.conf import get_settings
-    from celery_outbox.relay.runner import build_relay
 
     runner = build_relay(get_settings())
     runner.store = TimedStore(runner.store)  # type: ignore[assignment]

@@ -186,8 +186,12 @@ class OutboxCelery(Celery):
     def _publish_after_commit(self, alias: str, task_ids: Sequence[str]) -> None:
         if self._outbox_commit_publisher is None:
             from .relay.oncommit import CommitPublisher
+            from .signals import send_relay_signals
 
-            self._outbox_commit_publisher = CommitPublisher(self)
+            # The relay's Django signals, as `outbox relay` sends them.
+            self._outbox_commit_publisher = CommitPublisher(
+                self, observers=[send_relay_signals]
+            )
         self._outbox_commit_publisher.schedule(alias, task_ids)
 
     def _announce_expired(self, envelopes: Sequence[Envelope]) -> None:

@@ -15,8 +15,14 @@ class CeleryOutboxConfig(AppConfig):
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
         from .conf import get_settings
+        from .enqueue import WRITTEN
         from .flow.worker import watch
+        from .signals import send_created
 
+        # message_created: the Django signal hears of every row the enqueue path
+        # and a held event retry write, in the writer's transaction.
+        if send_created not in WRITTEN:
+            WRITTEN.append(send_created)
         # Every process that loads Django (web, worker, relay, commands) refuses
         # wrong CELERY_OUTBOX_* settings now, all of them in one message, instead
         # of at its first enqueue.

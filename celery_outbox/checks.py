@@ -3,7 +3,9 @@
 E001 settings invalid · E002 outbox alias not in DATABASES · E003 unsupported vendor ·
 E004 Celery app missing or not an OutboxCelery · E005 redactor not importable/callable ·
 W001 SQLite (one relay) · W002 publisher confirms off · W003 outbox tables missing ·
-W004 migrations not applied · W005 business models routed to another alias.
+W004 migrations not applied · W005 business models routed to another alias. The
+inbox's (``celery_outbox_inbox.E001`` / ``W001``, :mod:`celery_outbox.inbox.checks`)
+run on the app resolved here, when ``celery_outbox.inbox`` is installed.
 """
 
 from __future__ import annotations
@@ -258,3 +260,18 @@ def check_routing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             )
         )
     return messages
+
+
+@register("celery_outbox")
+def check_inbox(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The inbox's checks (``celery_outbox_inbox.*``) on the app, when the inbox is installed."""
+    if not django_apps.is_installed("celery_outbox.inbox"):
+        return []
+    from .app import resolve_app
+    from .inbox.checks import check_inbox as inbox_messages
+
+    try:
+        app = resolve_app(get_settings())
+    except OutboxConfigurationError:
+        return []  # celery_outbox.E001/E004 report it
+    return inbox_messages(app)

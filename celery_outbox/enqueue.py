@@ -30,7 +30,6 @@ from kombu.serialization import dumps
 
 from .broker.amqpcodec import amqp_problem
 from .conf import OutboxSettings, OutsideTransaction, get_settings
-from .contrib.logcontext import capture_log_context
 from .durations import is_seconds
 from .envelope import Envelope, JsonObject, dump_json
 from .exceptions import (
@@ -42,9 +41,9 @@ from .exceptions import (
 from .flow_limits import FLOW_HEADER, KEY_HEADER, check_key, flow_of
 from .ordering_options import HEADER as ORDERING_HEADER
 from .ordering_options import OPTION_NAMES, pop_options
+from .propagation import OTEL_TRACE_MODULE, add_trace_headers, capture_log_context
 from .queues import cached_queue_spec
 from .scheduling import schedule
-from .signals import send_created
 from .store.dedup import DedupKeys
 from .store.roles import outbox_alias
 from .store.store import OutboxWriter, check_fits
@@ -314,8 +313,6 @@ class CapturingProducer:
             properties["reply_to"] = properties["reply_to"].name
         if OTEL_TRACE_MODULE in sys.modules:
             # Adds trace headers only where no instrumentation already did.
-            from .contrib.otel import add_trace_headers
-
             add_trace_headers(headers)
         task_name = str(headers.get("task", ""))
         ordering = pop_options(ordering_given, task_name)
@@ -410,12 +407,22 @@ def refuse_for_amqp(task_name: str, problem: str | None) -> None:
         )
 
 
+#: Who hears of the rows an enqueue wrote, with their alias: called inside the
+#: caller's transaction, before it commits. The Django signal ``message_created``
+#: subscribes here when Django starts (:mod:`celery_outbox.apps`): the lanes that
+#: write rows (this path, a held event retry) import no observer.
+WRITTEN: list[Callable[[Sequence[Envelope], str], None]] = []
+
+
+def announce_written(envelopes: Sequence[Envelope], alias: str) -> None:
+    """Tell :data:`WRITTEN`'s subscribers that ``envelopes`` were written on ``alias``."""
+    for subscriber in WRITTEN:
+        subscriber(envelopes, alias)
+
+
 #: Outside a transaction, a group member that comes this long after the one before
 #: it (the group is built by a slow generator) is written at once, with those before.
 GROUP_PAUSE_SECONDS = 0.1
-
-#: Present in ``sys.modules`` once the application uses OpenTelemetry.
-OTEL_TRACE_MODULE = "opentelemetry.trace"
 
 
 def flow_headers(
@@ -615,7 +622,7 @@ class Enqueuer:
             expired = [e for e in envelopes if e.dead_reason]
             on_expired = self._on_expired
             transaction.on_commit(lambda: on_expired(expired), using=alias)
-        send_created(envelopes, alias)
+        announce_written(envelopes, alias)
         if settings.publish_on_commit and self._on_commit is not None:
             self._on_commit(alias, [e.task_id for e in envelopes])
         return refused

@@ -72,7 +72,8 @@ class ReadOnlyRecords:
 
     Rows are written by the enqueue path, the lanes and the stores; operators act
     on them through admin actions that call a store. Mixed in before
-    ``admin.ModelAdmin`` by the outbox's admins and the handler outboxes'.
+    ``admin.ModelAdmin`` by the outbox's admins; the handler outboxes' admin, a
+    lane's, says the same itself (it imports nothing from this layer).
     """
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:

@@ -4,6 +4,11 @@ Every signal is sent with ``send_robust``: a receiver that raises is logged and 
 breaks the caller's transaction or the relay's settlement. The sender is the
 :class:`~celery_outbox.models.OutboxMessage` model.
 
+The signals observe the lanes; no lane imports them. :func:`send_created` subscribes
+to the rows the enqueue path writes (:data:`celery_outbox.enqueue.WRITTEN`, from
+:mod:`celery_outbox.apps`), and :func:`send_relay_signals` is handed to each relay as
+an observer (by ``outbox relay``'s runner, and by the app for publish-on-commit).
+
 ``message_created(task_id, task_name, queue, using)``
     A row was written, inside the caller's transaction (before commit).
 ``message_published(task_id, task_name, queue, attempts)``

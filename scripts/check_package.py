@@ -287,7 +287,7 @@ PROMISES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("redis",),
     ),
     "prometheus": (
-        "import prometheus_client\nfrom celery_outbox.metrics import PrometheusSink\n"
+        "import prometheus_client\nfrom celery_outbox.sinks import PrometheusSink\n"
         "PrometheusSink(prometheus_client.CollectorRegistry())",
         ("prometheus_client",),
     ),

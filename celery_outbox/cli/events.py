@@ -84,6 +84,11 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(options: dict[str, Any], streams: Streams) -> None:
     """Run the verb (the work is in :mod:`celery_outbox.events.commands`)."""
+    from django.utils.module_loading import import_string
+
+    from ..app import resolve_app
     from ..events.commands import run as run_events
 
-    run_events(options, streams.out)
+    path = options.get("app")
+    app = import_string(path) if path is not None else resolve_app()
+    run_events(app, options, streams.out)

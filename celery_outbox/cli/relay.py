@@ -71,8 +71,8 @@ def add_relay(parser: argparse.ArgumentParser) -> None:
 
 def run_relay(options: dict[str, Any], streams: Streams) -> None:
     """Run the relay until a signal (or until empty)."""
-    from ..relay.runner import build_relay
     from .exits import ExitStatus, exit_status
+    from .runner import build_relay
 
     overrides = {name: options[name] for name in _OVERRIDES}
     overrides["until_empty"] = overrides["until_empty"] or None

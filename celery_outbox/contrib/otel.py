@@ -2,9 +2,9 @@
 
 Enqueue: with ``opentelemetry-instrumentation-celery`` active, Celery's
 ``before_task_publish`` injects ``traceparent`` in the caller and it is stored with
-the row, untouched. Without it, :func:`add_trace_headers` injects the current
-context itself, only when a valid span is active and only the headers nothing else
-set. Relay: :class:`OtelRelayTracing` opens one ``celery_outbox publish`` span per
+the row, untouched. Without it,
+:func:`celery_outbox.propagation.add_trace_headers` injects the current context
+itself, only when a valid span is active and only the headers nothing else set. Relay: :class:`OtelRelayTracing` opens one ``celery_outbox publish`` span per
 batch, linked to each message's enqueuing context.
 
 Imported only once the application has imported ``opentelemetry.trace``.
@@ -13,7 +13,7 @@ Imported only once the application has imported ``opentelemetry.trace``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -29,17 +29,6 @@ SPAN_NAME = "celery_outbox publish"
 def span_active() -> bool:
     """Whether the caller runs inside a recording span (its trace goes into messages)."""
     return bool(trace.get_current_span().get_span_context().is_valid)
-
-
-def add_trace_headers(headers: MutableMapping[str, Any]) -> None:
-    """Inject the active span's context into message headers; never alters a header."""
-    if not trace.get_current_span().get_span_context().is_valid:
-        return
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    for key, value in carrier.items():
-        if key not in headers:
-            headers[key] = value
 
 
 def tracer_provider_configured() -> bool:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
-from django.utils.module_loading import import_string
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.url import maybe_sanitize_url
 
@@ -35,9 +34,9 @@ class Output(Protocol):
     def flush(self) -> Any: ...
 
 
-def run(options: dict[str, Any], out: Output) -> None:
-    """Run the ``events`` subcommand ``options`` describe, writing to ``out``."""
-    app = _app(options.get("app"))
+def run(app: Any, options: dict[str, Any], out: Output) -> None:
+    """Run the ``events`` subcommand ``options`` describe for ``app``'s services,
+    writing to ``out``. The command resolves the app (``--app``, else the relay's)."""
     registry = registry_of(app)
     topology = (
         registry.topology()
@@ -207,11 +206,3 @@ def _write_archived(out: Output, each: archive.ArchivedEvent) -> None:
 def _progress(out: Output) -> ProgressBar:
     """A bar for an archive replay on ``out`` (tqdm; none without the extra)."""
     return ProgressBar(out, "replaying", unit=" events")
-
-
-def _app(path: str | None) -> Any:
-    if path is not None:
-        return import_string(path)
-    from ..app import resolve_app
-
-    return resolve_app()

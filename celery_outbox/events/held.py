@@ -20,9 +20,8 @@ from celery import Celery
 from django.db import transaction
 from kombu import Exchange, Queue
 
-from ..enqueue import CapturingProducer
+from ..enqueue import CapturingProducer, announce_written
 from ..envelope import Envelope
-from ..signals import send_created
 from ..store import outbox_stores
 from ..text import storable
 from .registry import DELIVER_TASK, EVENT_HEADER
@@ -44,7 +43,7 @@ def hold_retry(
     stores = outbox_stores()
     with transaction.atomic(using=stores.alias):
         stores.events().insert_later([envelope], delay)
-        send_created([envelope], stores.alias)
+        announce_written([envelope], stores.alias)
 
 
 def archive(

@@ -17,7 +17,6 @@ from django.db import router
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest
 
-from ..history_admin import ReadOnlyRecords
 from ..store.handlers.sql import HandlerStore
 from .models import HandlerDeadLetter, HandlerMessage, HandlerPause, HandlerShard
 from .registry import registry
@@ -30,8 +29,22 @@ def _store() -> HandlerStore:
     return HandlerStore(router.db_for_write(HandlerMessage))
 
 
-class _ReadOnly(ReadOnlyRecords, admin.ModelAdmin):  # type: ignore[type-arg]
-    """Handler outbox rows: on the router's database, read-only like the outbox's."""
+class _ReadOnly(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Handler outbox rows: on the router's database, read-only like the outbox's.
+
+    Rows are written by :func:`~celery_outbox.handlers.emit` and the processor;
+    operators act through the actions below, which call the store. (The outbox's
+    admins say the same through ``celery_outbox.history_admin.ReadOnlyRecords``,
+    which sits above this lane.)
+    """
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Nothing is added by hand."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Fields are never edited."""
+        return False
 
 
 @admin.register(HandlerMessage)

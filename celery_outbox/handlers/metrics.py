@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from ..conf import OutboxSettings
-from ..metrics import Sink
 from ..outcomes import Action
+from ..sinks import Sink
 from ..store.handlers import HandlerStats
 from ..store.handlers.sql import HandlerStore
 from .observations import (
@@ -131,7 +131,7 @@ def processor_observers(
     settings: OutboxSettings, databases: Sequence[str], metrics_port: int | None = None
 ) -> list[HandlerMetrics]:
     """The metrics observers a processor gets: StatsD when configured, Prometheus on a port."""
-    from ..metrics import configured_sinks
+    from ..sinks import configured_sinks
 
     return [
         HandlerMetrics(sink, databases)
@@ -148,7 +148,7 @@ def flush_observers(settings: OutboxSettings) -> list[HandlerObserver]:
 
 @functools.lru_cache(maxsize=4)
 def _statsd_counters(address: str) -> HandlerObserver:
-    from ..metrics import StatsdSink
+    from ..sinks import StatsdSink
 
     # No databases: a flush never samples the backlog (the processor does).
     return HandlerMetrics(StatsdSink(address))

@@ -6,12 +6,12 @@ from django.apps import AppConfig
 
 
 class InboxConfig(AppConfig):
-    """``celery_outbox.inbox``: the table of messages a worker has already run, its checks."""
+    """``celery_outbox.inbox``: the table of messages a worker has already run.
+
+    Its checks (:mod:`.checks`) are registered by :mod:`celery_outbox.checks`.
+    """
 
     name = "celery_outbox.inbox"
     label = "celery_outbox_inbox"
     verbose_name = "Celery outbox: inbox"
     default_auto_field = "django.db.models.BigAutoField"
-
-    def ready(self) -> None:
-        from . import checks  # noqa: F401  (registers the system checks)

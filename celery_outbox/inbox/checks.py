@@ -1,4 +1,7 @@
-"""System checks of the inbox (``celery_outbox_inbox.E001`` / ``W001``).
+"""System checks of the inbox (``celery_outbox_inbox.E001`` / ``W001``), for an app.
+
+:mod:`celery_outbox.checks` registers them when ``celery_outbox.inbox`` is installed,
+with the app it resolves.
 
 E001 a task says ``inbox=True`` but its class has no inbox part (``InboxMixin``, in
 ``celery_outbox.task.OutboxTask``): the option would do nothing.
@@ -11,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Warning
 
 from ..conf import OutboxSettings, get_settings
-from ..exceptions import OutboxConfigurationError
 
 #: Celery's default ``visibility_timeout`` of the Redis and SQS transports (seconds).
 DEFAULT_VISIBILITY_TIMEOUT = 3600.0
@@ -57,25 +59,14 @@ def redelivery_horizon(
     return max(candidates)
 
 
-def _app_and_tasks() -> tuple[Any, list[Any]] | None:
-    from ..app import resolve_app
+def check_inbox(app: Any) -> list[CheckMessage]:
+    """Inbox options reach a task class with the inbox part; retention outlives redeliveries.
 
-    try:
-        app = resolve_app(get_settings())
-    except OutboxConfigurationError:
-        return None  # celery_outbox.E001/E004 report it
-    return app, list(app.tasks.values())
-
-
-@register("celery_outbox")
-def check_inbox(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Inbox options reach a task class with the inbox part; retention outlives redeliveries."""
-    found = _app_and_tasks()
-    if found is None:
-        return []
-    app, tasks = found
+    Registered by :mod:`celery_outbox.checks`, which resolves the app.
+    """
     from .task import InboxMixin
 
+    tasks = list(app.tasks.values())
     messages: list[CheckMessage] = [
         Error(
             f"Task {task.name} says inbox=True but its class {type(task).__name__} "

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,8 @@ from ..flow.gate import gate_for
 from ..store import Stores
 from .config import RelayConfig
 from .loop import Relay
+from .observations import Observer
+from .sent import sent_event_observers
 
 logger = logging.getLogger("celery_outbox.oncommit")
 
@@ -42,8 +44,11 @@ class _Pending:
 class CommitPublisher:
     """Publishes each committed transaction's rows from the process that wrote them."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, observers: Iterable[Observer] = ()) -> None:
+        """``observers`` hear each relay's observations (the app hands it Django's
+        signals), before Celery's ``task-sent`` event when the app asks for it."""
         self._app = app
+        self._observers = tuple(observers)
         # Publishers hold a broker connection: one per thread of a threaded server.
         self._local = threading.local()
 
@@ -106,9 +111,6 @@ class CommitPublisher:
         relays = mine.by_alias
         relay = relays.get(alias)
         if relay is None:
-            from ..signals import send_relay_signals
-            from .sent import sent_event_observers
-
             settings = get_settings()
             # One outage is enough to stop trying from request threads for a while.
             config = RelayConfig.from_settings(settings, breaker_threshold=1)
@@ -118,7 +120,7 @@ class CommitPublisher:
                 stores.relay(),
                 publisher,
                 config,
-                observers=[send_relay_signals, *sent_event_observers(self._app)],
+                observers=[*self._observers, *sent_event_observers(self._app)],
                 # A flow's rate holds for the rows published at the commit too.
                 gate=gate_for(settings, stores.flows(), queue_depth(publisher)),
             )

@@ -93,8 +93,8 @@ def outbox_relay(app: OutboxCelery) -> Iterator[None]:
     from django.db import connections
 
     from celery_outbox.broker import build_publisher
+    from celery_outbox.cli.runner import build_relay
     from celery_outbox.conf import get_settings
-    from celery_outbox.relay.runner import build_relay
     from celery_outbox.relay.sent import sent_event_observers
 
     call_command("migrate", verbosity=0)

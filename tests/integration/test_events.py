@@ -31,6 +31,7 @@ from celery_outbox.inbox.signals import duplicate_skipped
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
+from celery_outbox.signals import message_created
 from celery_outbox.store import Stores
 from tests.events_project.catalog import declare_events
 from tests.project.shop.models import TaskRun
@@ -409,6 +410,28 @@ def test_held_a_failed_subscriber_is_retried_through_the_outbox_then_archived(
     assert (row.task_id, row.routing_key) == (event_id, queue)
     assert json.loads(row.headers)["retries"] == 0  # a fresh count
     assert dbarchive.count(topology) == 0
+
+
+def test_held_a_retry_written_to_the_outbox_sends_message_created(
+    held: HeldServices,
+) -> None:
+    app = held.app("billing")
+    registry_of(app).add_subscriber("order.*", flaky(99, []))
+    topology = held.declare(app)
+    event_id = str(uuid.uuid4())
+    seen: list[tuple[str, str, str]] = []
+
+    def receiver(task_id: str, task_name: str, queue: str, **kwargs: Any) -> None:
+        seen.append((task_id, task_name, queue))
+
+    message_created.connect(receiver)
+    try:
+        deliver_once(app, event_id, 0)
+    finally:
+        message_created.disconnect(receiver)
+    (row,) = OutboxMessage.objects.all()
+    assert seen == [(event_id, DELIVER_TASK, topology.queue_name("order.*"))]
+    assert row.queue == topology.queue_name("order.*")
 
 
 #: The app ``outbox events --app`` imports in the command test (set only during it:

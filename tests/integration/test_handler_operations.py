@@ -27,8 +27,8 @@ from celery_outbox.handlers.models import (
 from celery_outbox.handlers.observations import HandlerObservation, MessageHandled
 from celery_outbox.handlers.processor import Processor, ProcessorConfig
 from celery_outbox.handlers.registry import Category, Registry
-from celery_outbox.metrics import PrometheusSink
 from celery_outbox.outcomes import Action
+from celery_outbox.sinks import PrometheusSink
 from celery_outbox.store.handlers.sql import HandlerStore
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")

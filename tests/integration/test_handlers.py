@@ -568,3 +568,17 @@ def test_the_admin_pauses_and_resumes(admin_client: Any, name: str) -> None:
     for model in ("handlermessage", "handlershard", "handlerdeadletter"):
         page = admin_client.get(f"/admin/celery_outbox_handlers/{model}/")
         assert page.status_code == 200
+
+
+def test_the_admin_shows_handler_rows_read_only(admin_client: Any, name: str) -> None:
+    with transaction.atomic():
+        emit(name, shard="a", object_id=1, payload=1)
+    message = HandlerMessage.objects.get()
+    base = "/admin/celery_outbox_handlers/handlermessage/"
+    assert admin_client.get(base + "add/").status_code == 403
+    response = admin_client.post(
+        base + f"{message.pk}/change/", {"category": "other", "shard": "b"}
+    )
+    assert response.status_code == 403
+    message.refresh_from_db()
+    assert (message.category, message.shard) == (name, "a")

@@ -14,11 +14,11 @@ import pytest
 from django.db import connections, transaction
 from django.test import override_settings
 
+from celery_outbox.cli.runner import build_relay
 from celery_outbox.conf import get_settings
 from celery_outbox.engine.loop import Turn
 from celery_outbox.exceptions import OutboxConfigurationError
 from celery_outbox.models import OutboxMessage
-from celery_outbox.relay.runner import build_relay
 from celery_outbox.store import Stores
 
 from .builders import envelope

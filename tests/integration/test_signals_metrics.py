@@ -16,11 +16,12 @@ from celery_outbox import signals
 from celery_outbox.broker import InMemoryPublisher
 from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
-from celery_outbox.metrics import PrometheusSink, RelayMetrics, StatsdSink
+from celery_outbox.metrics import RelayMetrics
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.outcomes import Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
+from celery_outbox.sinks import PrometheusSink, StatsdSink
 from celery_outbox.store import Stores
 from tests.project.shop.models import Order
 from tests.project.shop.tasks import record

@@ -28,11 +28,11 @@ from packaging.version import Version
 
 from celery_outbox import OutboxCelery
 from celery_outbox.broker import build_publisher
+from celery_outbox.cli.runner import build_relay
 from celery_outbox.conf import get_settings
 from celery_outbox.engine.loop import Turn
 from celery_outbox.models import DeadLetter, OutboxMessage
 from celery_outbox.relay.observations import StopReason
-from celery_outbox.relay.runner import build_relay
 from tests import topologies
 from tests.conftest import BROKER_AMQP
 

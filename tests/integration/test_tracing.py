@@ -40,12 +40,9 @@ from sentry_sdk.integrations.celery import CeleryIntegration
 from sentry_sdk.transport import Transport
 
 from celery_outbox.broker import InMemoryPublisher
+from celery_outbox.cli.runner import build_relay
 from celery_outbox.conf import get_settings
-from celery_outbox.contrib.logcontext import (
-    bound_log_context,
-    capture_log_context,
-    structlog_available,
-)
+from celery_outbox.contrib.logcontext import bound_log_context, structlog_available
 from celery_outbox.contrib.otel import OtelRelayTracing
 from celery_outbox.contrib.sentry import SentryRelayTracing
 from celery_outbox.envelope import EMPTY_LOG_CONTEXT, StoredMessage, load_json
@@ -58,10 +55,10 @@ from celery_outbox.outcomes import (
     PublishResult,
     Settlement,
 )
+from celery_outbox.propagation import capture_log_context
 from celery_outbox.relay.logs import FailureLog
 from celery_outbox.relay.loop import Relay
 from celery_outbox.relay.observations import BreakerOpened, LoopError
-from celery_outbox.relay.runner import build_relay
 from celery_outbox.store import Claim, DeadLetterFilter, Stores
 from celery_outbox.store.store import RelayQueries
 from tests.project.shop.tasks import record
@@ -479,7 +476,7 @@ def test_no_otel_hook_without_a_tracer_provider(tmp_path: Path) -> None:
         "call_command('migrate', verbosity=0)\n"
         "from celery_outbox.conf import get_settings\n"
         "from celery_outbox.contrib.otel import OtelRelayTracing\n"
-        "from celery_outbox.relay.runner import build_relay\n"
+        "from celery_outbox.cli.runner import build_relay\n"
         "relay = build_relay(get_settings())\n"
         "print(any(isinstance(h, OtelRelayTracing) for h in relay.batch_hooks))\n"
     )
@@ -681,10 +678,11 @@ def test_core_works_without_the_optional_libraries() -> None:
         sys.meta_path.insert(0, Missing())
         import django
         django.setup()
-        import celery_outbox.app, celery_outbox.enqueue, celery_outbox.relay.runner
+        import celery_outbox.app, celery_outbox.enqueue, celery_outbox.cli.runner
         from celery_outbox.conf import get_settings
-        from celery_outbox.contrib.logcontext import capture_log_context, structlog_available
-        from celery_outbox.relay.runner import tracing_hooks
+        from celery_outbox.contrib.logcontext import structlog_available
+        from celery_outbox.propagation import capture_log_context
+        from celery_outbox.cli.runner import tracing_hooks
         assert tracing_hooks("amqp") == []
         assert not structlog_available()
         assert not capture_log_context(get_settings())

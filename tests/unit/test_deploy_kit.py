@@ -36,10 +36,11 @@ from celery_outbox.conf import OutboxSettings
 from celery_outbox.envelope import StoredMessage
 from celery_outbox.handlers.metrics import HandlerMetrics
 from celery_outbox.handlers.observations import MessageHandled, PassDone
-from celery_outbox.metrics import PrometheusSink, RelayMetrics
+from celery_outbox.metrics import RelayMetrics
 from celery_outbox.outcomes import Action, Outcome, PublishResult
 from celery_outbox.relay.config import RelayConfig
 from celery_outbox.relay.loop import Relay
+from celery_outbox.sinks import PrometheusSink
 from celery_outbox.store.handlers import HandlerStats
 from celery_outbox.store.memory import InMemoryStore
 from celery_outbox.store.memory_operator import InMemoryOperatorQueries

@@ -1,19 +1,18 @@
-"""The package's layers hold: no module imports from a layer above its own, and no
-rooms import each other around a circle.
+"""The package's layers hold: no room imports from a floor above its own, and no
+rooms import each other around a circle. No exception.
 
-Every import counts, at module level, inside a function or under ``TYPE_CHECKING``.
-The map is the one ``docs/explanation.md`` draws ("Layers"); an import that has to go
-upward for now is listed in :data:`ALLOWED` with its reason. The rooms of a folder
-are the modules and folders right below it (in ``celery_outbox``: ``task``,
-``events``, ...; in ``celery_outbox.events``: ``delivery``, ``registry``, ...), in the
-package and in ``bench/``; an import that closes a circle for now is listed in
-:data:`ALLOWED_CIRCLES` with its reason.
+A room is a top-level module or a first-level folder of the package; the floors,
+bottom first, are :data:`FLOORS`, the one statement of the order, drawn in
+``docs/explanation.md`` ("Layers"). Every import counts, at module level, inside a
+function or under ``TYPE_CHECKING``. For circles, the rooms of every folder are
+checked: the modules and folders right below it (in ``celery_outbox``: ``task``,
+``events``, ...; in ``celery_outbox.events``: ``delivery``, ``registry``, ...), in
+the package and in ``bench/``.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import itertools
 import re
 from collections.abc import Iterator
@@ -25,92 +24,41 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_outbox"
 
-#: The layers, bottom first. A module may import from its own layer and those below.
-LAYERS = ("values", "stores", "engine", "lanes", "top")
+#: The floors, bottom first, and the rooms on each: the package's top-level modules
+#: and first-level folders. A room imports only from its own floor and those below;
+#: this is the one statement of the order (docs/explanation.md draws it).
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "values",
+        (
+            "caches", "conf", "decoding", "durations", "envelope", "exceptions",
+            "flow_limits", "ordering_options", "outcomes", "progress", "propagation",
+            "queues", "redaction", "scheduling", "states", "text",
+        ),
+    ),
+    (
+        "stores",
+        ("backends", "broker", "collation", "migrations", "models", "sinks", "store"),
+    ),
+    ("engine", ("engine",)),
+    (
+        "lanes",
+        ("enqueue", "events", "flow", "handlers", "inbox", "ordering", "relay", "revoke"),
+    ),
+    ("observers", ("contrib", "metrics", "signals")),
+    (
+        "top",
+        (
+            "admin", "app", "apps", "checks", "cli", "history_admin", "inspection",
+            "management", "operations", "pytest_plugin", "task", "tasks", "testing",
+            # The package itself (its __init__): what a user imports first.
+            "celery_outbox",
+        ),
+    ),
+)  # fmt: skip
 
-#: Where each module lives: the longest matching name wins. Every module must match
-#: an entry (the package itself matches only ``celery_outbox``, exactly).
-PLACES = {
-    # Values and settings: plain data, pure decisions, settings, errors.
-    "celery_outbox.caches": "values",
-    "celery_outbox.conf": "values",
-    "celery_outbox.decoding": "values",
-    "celery_outbox.durations": "values",
-    "celery_outbox.envelope": "values",
-    "celery_outbox.exceptions": "values",
-    "celery_outbox.outcomes": "values",
-    "celery_outbox.progress": "values",
-    "celery_outbox.queues": "values",
-    "celery_outbox.redaction": "values",
-    "celery_outbox.scheduling": "values",
-    "celery_outbox.states": "values",
-    "celery_outbox.text": "values",
-    # Ordered keys' options and their header: values the enqueue writes, the
-    # store's claim and the worker's endings read.
-    "celery_outbox.ordering_options": "values",
-    # Flow control's rates, limits and decisions: values the settings, the flow
-    # store and the worker's endings read, and the flow lane applies.
-    "celery_outbox.flow_limits": "values",
-    # Stores and brokers: every read and write of the tables, every broker call.
-    "celery_outbox.backends": "stores",
-    "celery_outbox.broker": "stores",
-    "celery_outbox.collation": "stores",
-    "celery_outbox.migrations": "stores",
-    "celery_outbox.models": "stores",
-    "celery_outbox.store": "stores",
-    # The handler app's tables: its store (celery_outbox.store.handlers) reads them.
-    "celery_outbox.handlers.migrations": "stores",
-    "celery_outbox.handlers.models": "stores",
-    # The engine of leased work, and the gate that limits what a lane publishes.
-    "celery_outbox.engine": "engine",
-    # Lanes, and what observes them.
-    "celery_outbox.events": "lanes",
-    "celery_outbox.flow": "lanes",
-    "celery_outbox.handlers": "lanes",
-    "celery_outbox.inbox": "lanes",
-    "celery_outbox.metrics": "lanes",
-    "celery_outbox.ordering": "lanes",
-    "celery_outbox.relay": "lanes",
-    "celery_outbox.signals": "lanes",
-    # The task class, composed of the lanes' parts (inbox, ordering).
-    "celery_outbox.task": "lanes",
-    # On top: what a user calls, runs, configures or opens.
-    "celery_outbox": "top",
-    "celery_outbox.admin": "top",
-    "celery_outbox.app": "top",
-    "celery_outbox.apps": "top",
-    "celery_outbox.checks": "top",
-    "celery_outbox.cli": "top",
-    "celery_outbox.contrib": "top",
-    "celery_outbox.enqueue": "top",
-    "celery_outbox.events.commands": "top",
-    "celery_outbox.handlers.admin": "top",
-    "celery_outbox.handlers.apps": "top",
-    "celery_outbox.history_admin": "top",
-    "celery_outbox.inbox.apps": "top",
-    "celery_outbox.inbox.checks": "top",
-    "celery_outbox.inspection": "top",
-    "celery_outbox.management": "top",
-    "celery_outbox.operations": "top",
-    "celery_outbox.ordering.admin": "top",
-    "celery_outbox.flow.admin": "top",
-    "celery_outbox.pytest_plugin": "top",
-    "celery_outbox.revoke": "top",
-    "celery_outbox.relay.runner": "top",
-    "celery_outbox.tasks": "top",
-    "celery_outbox.testing": "top",
-}
-
-#: Imports that go upward for now, each with its reason: (importer, imported) -> why.
-ALLOWED: dict[tuple[str, str], str] = {
-    # A held event retry is written by the enqueue path's producer, so it is
-    # serialized exactly as its first send was. The capture moves under the lanes
-    # when the lanes are restructured on the engine.
-    ("celery_outbox.events.held", "celery_outbox.enqueue"): "retry via the enqueue",
-    # Handler messages share the enqueue path's transaction guard; the handler
-    # outbox is being rebuilt as a lane on the engine, with the guard beside it.
-    ("celery_outbox.handlers.emit", "celery_outbox.enqueue"): "the guard, for now",
-}
+#: Each room's floor, by its index in :data:`FLOORS`.
+FLOOR_OF = {room: index for index, (_, rooms) in enumerate(FLOORS) for room in rooms}
 
 
 @dataclass(frozen=True)
@@ -130,14 +78,16 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
-def place(module: str) -> str | None:
-    """The layer of ``module``; None when the map has no entry for it."""
-    name = module
-    while name:
-        if name in PLACES and (name != "celery_outbox" or module == name):
-            return PLACES[name]
-        name = name.rpartition(".")[0]
-    return None
+def top_room(module: str) -> str:
+    """The room of ``module`` in the package: its top-level module or first-level
+    folder (``celery_outbox.events.held`` is in ``events``); the package's own
+    ``__init__`` is ``celery_outbox``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def floor_name(room: str) -> str:
+    return FLOORS[FLOOR_OF[room]][0]
 
 
 def imports_of(
@@ -181,46 +131,47 @@ def modules() -> list[Path]:
 
 
 def upward(found: Import) -> bool:
-    own, other = place(found.importer), place(found.imported)
-    assert own is not None and other is not None
-    return LAYERS.index(other) > LAYERS.index(own)
+    return FLOOR_OF[top_room(found.imported)] > FLOOR_OF[top_room(found.importer)]
 
 
-def test_every_module_has_a_place_on_the_map() -> None:
-    unplaced = [
-        module_name(path) for path in modules() if place(module_name(path)) is None
-    ]
-    assert unplaced == [], (
-        f"modules with no layer: {unplaced}. Add each to PLACES in {Path(__file__).name} "
-        f"and to the map in docs/explanation.md."
+def rooms_of_the_package(root: Path = PACKAGE) -> set[str]:
+    """The package's top-level modules and first-level folders, and itself."""
+    found = {"celery_outbox"}
+    for path in root.iterdir():
+        if path.suffix == ".py" and path.stem != "__init__":
+            found.add(path.stem)
+        elif (path / "__init__.py").exists():
+            found.add(path.name)
+    return found
+
+
+def test_every_room_has_a_floor_and_every_floor_entry_a_room() -> None:
+    rooms = rooms_of_the_package()
+    assert sorted(rooms - set(FLOOR_OF)) == [], (
+        f"rooms with no floor: {sorted(rooms - set(FLOOR_OF))}. Put each on a floor "
+        f"of FLOORS in {Path(__file__).name} (the lowest whose rooms hold all it "
+        f"imports) and draw it in docs/explanation.md."
     )
+    assert sorted(set(FLOOR_OF) - rooms) == [], "FLOORS names rooms that are gone"
 
 
 def test_nothing_imports_upward() -> None:
     problems = []
     for path in modules():
         for found in imports_of(path):
-            if upward(found) and (found.importer, found.imported) not in ALLOWED:
-                own, other = place(found.importer), place(found.imported)
-                allowed = ", ".join(LAYERS[: LAYERS.index(str(own)) + 1])
+            if upward(found):
+                own, other = top_room(found.importer), top_room(found.imported)
+                below = ", ".join(name for name, _ in FLOORS[: FLOOR_OF[own] + 1])
                 problems.append(
                     f"{path.relative_to(ROOT)}:{found.line}: {found.importer} "
-                    f"({own}) imports {found.imported} ({other}); a module of the "
-                    f"{own} layer imports only from {allowed}. Move what it needs "
-                    f"down, or list the import in ALLOWED with the reason."
+                    f"(room {own}, floor {floor_name(own)}) imports {found.imported} "
+                    f"(room {other}, floor {floor_name(other)}); the {floor_name(own)} "
+                    f"floor imports only from {below}. Move what it needs down (a "
+                    f"value or a protocol of the lower floor, which the upper room "
+                    f"fulfils), or have it handed in from above (the app, an "
+                    f"observer, a hook)."
                 )
     assert problems == [], "\n".join(problems)
-
-
-def test_every_allowed_upward_import_still_exists() -> None:
-    # An entry whose import is gone would let a new one through unnoticed.
-    found = {
-        (i.importer, i.imported)
-        for path in modules()
-        for i in imports_of(path)
-        if upward(i)
-    }
-    assert sorted(set(ALLOWED) - found) == []
 
 
 @pytest.mark.parametrize(
@@ -243,42 +194,29 @@ def test_an_upward_import_is_found_wherever_it_is_written(
     assert upward(found)
 
 
-def test_the_explanation_draws_every_entry_of_the_map() -> None:
+def test_the_explanation_draws_every_room_on_its_floor() -> None:
     text = (ROOT / "docs" / "explanation.md").read_text()
     section = text.split("\n## Layers", 1)[1].split("\n## ", 1)[0]
-    drawn = set(re.findall(r"`([\w.]+)/?`", section))
-    missing = [
-        name
-        for name in PLACES
-        if name != "celery_outbox" and name.removeprefix("celery_outbox.") not in drawn
+    rows = {
+        row.split("|")[1].strip(): set(re.findall(r"`([\w.]+)/?`", row.split("|")[2]))
+        for row in section.splitlines()
+        if row.startswith("| ") and row.count("|") >= 4
+    }
+    wrong = [
+        (room, name)
+        for name, rooms in FLOORS
+        for room in rooms
+        if room != "celery_outbox" and room not in rows.get(name, set())
     ]
-    assert missing == [], f"not on the map in docs/explanation.md: {missing}"
+    assert wrong == [], (
+        f"rooms not drawn on their floor in docs/explanation.md: {wrong}"
+    )
 
 
 # -- circles -------------------------------------------------------------------
 
 #: The trees whose folders hold no circle: the package, and the benchmark beside it.
 TREES = (PACKAGE, ROOT / "bench")
-
-#: Imports that close a circle between rooms for now, each with its reason:
-#: (importer, imported module) -> why. They are left out of the graph, so a new
-#: circle fails the test, and so does any other import along the same way. Each
-#: is one of the upward imports of issue #47, whose value or hook moves down (or
-#: whose old spelling goes) when it is mended; then its entry goes too
-#: (test_every_allowed_circle_still_closes_one says when).
-ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
-    # Observers read the relay's observations instead of subscribing to them, and
-    # the relay's runner and on-commit publisher reach up for them and for the app.
-    ("celery_outbox.contrib.otel", "celery_outbox.relay.observations"): "OpenTelemetry",
-    ("celery_outbox.contrib.sentry", "celery_outbox.relay.observations"): "Sentry",
-    ("celery_outbox.relay.runner", "celery_outbox.metrics"): "the runner's metrics",
-    ("celery_outbox.relay.runner", "celery_outbox.signals"): "the runner's signals",
-    ("celery_outbox.relay.oncommit", "celery_outbox.signals"): "on-commit signals",
-    ("celery_outbox.relay.runner", "celery_outbox.app"): "the runner's app",
-    # Lanes reach up for the app instead of being handed it.
-    ("celery_outbox.events.commands", "celery_outbox.app"): "events' commands",
-    ("celery_outbox.inbox.checks", "celery_outbox.app"): "the inbox's checks",
-}
 
 
 def room(module: str, folder: str) -> str:
@@ -374,11 +312,7 @@ def circle_in(knot: list[str], graph: dict[str, dict[str, list[Import]]]) -> lis
 
 def circles(folder: str, paths: list[Path], root: Path = ROOT) -> list[str]:
     """Each circle between the rooms of ``folder``, told with the imports that make it."""
-    graph = {
-        importer: kept
-        for importer, rooms in room_graph(folder, paths, root).items()
-        if (kept := without_allowed(rooms))
-    }
+    graph = room_graph(folder, paths, root)
     told = []
     for knot in knots(graph):
         circle = circle_in(knot, graph)
@@ -400,12 +334,6 @@ def paths_of(folder: str, root: Path = ROOT) -> list[Path]:
     return sorted((root / Path(*folder.split("."))).rglob("*.py"))
 
 
-@functools.cache
-def package_graph(folder: str) -> dict[str, dict[str, list[Import]]]:
-    """The rooms of ``folder`` in this repository, read once."""
-    return room_graph(folder, paths_of(folder))
-
-
 @pytest.mark.parametrize("folder", folders())
 def test_no_circle_between_the_rooms_of_a_folder(folder: str) -> None:
     found = circles(folder, paths_of(folder))
@@ -415,45 +343,8 @@ def test_no_circle_between_the_rooms_of_a_folder(folder: str) -> None:
         "down into the lower one (a value, or a protocol the upper one fulfils), let "
         "the lower one offer a hook that the upper one registers with, or compose "
         "the two where they are used. An import inside a function or under "
-        "TYPE_CHECKING is still an import. Or list the import in ALLOWED_CIRCLES "
-        "with the reason."
+        "TYPE_CHECKING is still an import."
     )
-
-
-def without_allowed(rooms: dict[str, list[Import]]) -> dict[str, list[Import]]:
-    """The imports to other rooms, less :data:`ALLOWED_CIRCLES`; rooms left empty go."""
-    kept = {
-        imported: [i for i in found if (i.importer, i.imported) not in ALLOWED_CIRCLES]
-        for imported, found in rooms.items()
-    }
-    return {imported: found for imported, found in kept.items() if found}
-
-
-def shared_folder(one: str, other: str) -> str:
-    """The innermost folder that holds both modules."""
-    shared = []
-    for mine, theirs in zip(one.split("."), other.split("."), strict=False):
-        if mine != theirs:
-            break
-        shared.append(mine)
-    return ".".join(shared)
-
-
-def test_every_allowed_circle_still_closes_one() -> None:
-    # An entry whose import is gone, or no longer closes a circle, would let a new
-    # circle through unnoticed: remove it.
-    stale = []
-    for importer, imported in ALLOWED_CIRCLES:
-        folder = shared_folder(importer, imported)
-        graph = package_graph(folder)
-        ends = room(importer, folder), room(imported, folder)
-        exists = any(
-            (i.importer, i.imported) == (importer, imported)
-            for i in graph.get(ends[0], {}).get(ends[1], [])
-        )
-        if not exists or not any(set(ends) <= set(knot) for knot in knots(graph)):
-            stale.append((importer, imported))
-    assert stale == [], f"ALLOWED_CIRCLES entries that close no circle: {stale}"
 
 
 #: Deliberate circles: (file, source) pairs written under a tmp_path tree, and the

@@ -5,7 +5,8 @@ from __future__ import annotations
 import prometheus_client
 
 from celery_outbox.handlers.metrics import HandlerMetrics
-from celery_outbox.metrics import PrometheusSink, RelayMetrics
+from celery_outbox.metrics import RelayMetrics
+from celery_outbox.sinks import PrometheusSink
 
 
 def test_a_starting_relay_reports_its_counters_at_zero_and_its_breaker_closed() -> None:

@@ -1,4 +1,10 @@
-"""Wiring: build a relay from settings, the app and its broker."""
+"""The relay process as ``outbox relay`` runs it: the relay lane, its app and its observers.
+
+The composition root of the relay: it resolves the app, builds the publisher, and
+hands the lane (:class:`~celery_outbox.relay.loop.Relay`) its observers: logging,
+Django signals, metrics, Sentry and OpenTelemetry, the structlog context. The lane
+imports none of them.
+"""
 
 from __future__ import annotations
 
@@ -18,16 +24,17 @@ from ..engine.heartbeat import Heartbeat, new_member_id
 from ..engine.waiter import Waiter
 from ..exceptions import OutboxDatabaseError
 from ..flow.gate import gate_for, reconcile
-from ..metrics import RelayMetrics, configured_sinks
+from ..metrics import RelayMetrics
+from ..relay.config import RelayConfig
+from ..relay.listener import PgNotifyListener
+from ..relay.logs import FailureLog
+from ..relay.loop import Relay
+from ..relay.observations import Observer, TracingHook, log_observation
+from ..relay.probe import broker_location, probe_broker, probe_database
+from ..relay.sent import sent_event_observers
 from ..signals import send_relay_signals
+from ..sinks import configured_sinks
 from ..store import outbox_stores
-from .config import RelayConfig
-from .listener import PgNotifyListener
-from .logs import FailureLog
-from .loop import Relay
-from .observations import Observer, TracingHook, log_observation
-from .probe import broker_location, probe_broker, probe_database
-from .sent import sent_event_observers
 
 logger = logging.getLogger("celery_outbox.relay")
 
