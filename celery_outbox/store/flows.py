@@ -127,12 +127,7 @@ class FlowQueries(StoreBase):
                     cursor, flow, [Candidate(0, key, task_id)], started=True
                 )
                 return 0
-            until_sql, until_params = self.dialect.after(flow.lease)
-            cursor.execute(
-                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
-                f"WHERE id = %s",
-                [True, *until_params, found[0]],
-            )
+            self._renew(cursor, flow, found[0], started=True)
             if limits_in_force(flow, stored).of(key).queued is None:
                 return 0
             return self._wake(cursor, flow, key, 1)
@@ -164,13 +159,17 @@ class FlowQueries(StoreBase):
             if found is None:
                 self._take_slots(cursor, flow, [Candidate(0, key, task_id)])
                 return 0
-            until_sql, until_params = self.dialect.after(flow.lease)
-            cursor.execute(
-                f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
-                f"WHERE id = %s",
-                [False, *until_params, found[0]],
-            )
+            self._renew(cursor, flow, found[0], started=False)
             return 0
+
+    def _renew(self, cursor: Any, flow: Flow, slot: int, *, started: bool) -> None:
+        """The slot ``slot`` started (or queued again), its lease from now."""
+        until_sql, until_params = self.dialect.after(flow.lease)
+        cursor.execute(
+            f"UPDATE {FLOW_SLOT_TABLE} SET started = %s, expires_at = {until_sql} "
+            f"WHERE id = %s",
+            [started, *until_params, slot],
+        )
 
     def not_published(self, flow: Flow, rows: Sequence[Candidate]) -> int:
         """``rows`` took a slot of their key and did not reach the broker (refused,
